@@ -1,0 +1,3 @@
+from lisa.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,95 @@
+"""`lisa <stage>`: reads its params.yaml section, calls the stage function in lisa.stages, prints the metrics.
+
+dvc.yaml calls these commands with explicit paths; the Prefect tasks call the same stage functions directly.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from lisa import __version__
+from lisa.checkpoint import CheckpointError
+from lisa.config import ConfigError, load_params, profile_text
+
+
+def cmd_init_target(a):
+    from lisa.stages import init_target, layout
+
+    p = load_params(a.params)
+    return init_target(p.world(a.world), p.init_target, a.out or layout(a.world)["target"])
+
+
+def cmd_init_tokenizer(a):
+    from lisa.stages import init_tokenizer, layout
+
+    p = load_params(a.params)
+    return init_tokenizer(p.world(a.world), p.init_tokenizer, a.out or layout(a.world)["tokenizer"])
+
+
+def cmd_sample(a):
+    from lisa.stages import TARGET_FILE, TOKENIZER_FILE, layout, sample
+
+    p = load_params(a.params)
+    p.world(a.world)
+    where = layout(a.world)
+    target = a.target or where["target"] / TARGET_FILE
+    tokenizer = a.tokenizer or where["tokenizer"] / TOKENIZER_FILE
+    return sample(target, tokenizer, p.sample, a.out or where["samples"])
+
+
+def cmd_bench(a):
+    from lisa.stages import bench, layout
+
+    return bench(load_params(a.params).bench, a.out or layout("-")["bench"])
+
+
+def cmd_profile(a):
+    sys.stdout.write(profile_text(a.name))
+    return None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lisa", description="LISA: locality-informed speculative decoding for "
+                                     "AR image generation. Each command is one pipeline stage (see dvc.yaml).")
+    parser.add_argument("--version", action="version", version=f"lisa {__version__}")
+    sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
+
+    def stage(name, fn, help, world=True):
+        s = sub.add_parser(name, help=help, description=help)
+        s.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+        if world:
+            s.add_argument("--world", required=True, help="world name (a key of params.yaml's `worlds`)")
+        s.add_argument("--out", default=None, help="output folder (default: the layout of dvc.yaml)")
+        s.set_defaults(fn=fn)
+        return s
+
+    stage("init-target", cmd_init_target, "build a world's target: random init, or import an official "
+          "LlamaGen checkpoint -> data/target/<world>/model.safetensors")
+    stage("init-tokenizer", cmd_init_tokenizer, "build a world's VQ tokenizer: random init, or import an "
+          "official vq_ds16_*.pt -> data/tokenizer/<world>/tokenizer.safetensors")
+    s = stage("sample", cmd_sample, "vanilla sampling of a class-conditional grid -> reports/samples/<world>/")
+    s.add_argument("--target", default=None, help="target .safetensors (default: data/target/<world>/...)")
+    s.add_argument("--tokenizer", default=None, help="tokenizer .safetensors (default: data/tokenizer/<world>/...)")
+    stage("bench", cmd_bench, "vanilla decode speed of a random-weight target vs its bare forwards "
+          "-> reports/bench/vanilla.{json,md}", world=False)
+    p = sub.add_parser("profile", help="print a named params profile (micro) to stdout")
+    p.add_argument("name")
+    p.set_defaults(fn=cmd_profile)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        result = args.fn(args)
+    except (ConfigError, CheckpointError, ValueError, FileNotFoundError) as e:
+        print(f"lisa {args.stage}: error: {e}", file=sys.stderr)
+        return 2
+    if result is not None:
+        print(json.dumps({k: v for k, v in result.items() if k != "rows"} if "rows" in result else result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,144 @@
+"""params.yaml -> typed dataclasses, strictly: an unknown or mistyped key is an error naming the key and section.
+
+One section per pipeline stage (`init_target`, `init_tokenizer`, `sample`, `bench`) plus `worlds`: each world is
+one target family with its tokenizer (the stages loop over worlds). Named profiles (`micro` for CI, `toy`, the
+default params.yaml) live in lisa/profiles/. Validation uses pydantic dataclasses with extra keys forbidden.
+"""
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic.dataclasses import dataclass
+
+from lisa.models.gpt import GPTConfig, gpt_config
+from lisa.models.vq import VQConfig, vq_config
+
+STRICT = ConfigDict(extra="forbid", strict=False)
+
+
+class ConfigError(ValueError):
+    """params.yaml (or a profile) does not fit the schema; the message names the file, section and key."""
+
+
+@dataclass(config=STRICT)
+class WorldParams:
+    target: dict[str, Any]  # GPT preset name ("preset") + GPTConfig fields
+    tokenizer: dict[str, Any]  # VQ preset name ("preset") + VQConfig fields
+    target_checkpoint: Optional[str] = None  # official LlamaGen c2i_*.pt / t2i_*.pt: imported instead of random init
+    tokenizer_checkpoint: Optional[str] = None  # official vq_ds16_*.pt
+
+    def gpt_config(self) -> GPTConfig:
+        return gpt_config(**self.target)
+
+    def vq_config(self) -> VQConfig:
+        return vq_config(**self.tokenizer)
+
+
+@dataclass(config=STRICT)
+class InitTargetParams:
+    seed: int = 0
+
+
+@dataclass(config=STRICT)
+class InitTokenizerParams:
+    seed: int = 0
+
+
+@dataclass(config=STRICT)
+class SampleParams:
+    classes: list[int] = Field(default_factory=lambda: list(range(10)))  # c2i: one grid row per class
+    per_class: int = 4
+    batch_size: int = 8
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    cfg_scale: float = 4.0
+    seed: int = 0
+
+
+@dataclass(config=STRICT)
+class BenchParams:
+    target: dict[str, Any] = Field(default_factory=lambda: {"preset": "GPT-B"})  # random weights
+    num_tokens: int = 256  # image tokens decoded per run
+    batch_size: int = 1
+    cfg_scales: list[float] = Field(default_factory=lambda: [1.0, 4.0])
+    repeats: int = 3
+    warmup: int = 1
+    threads: int = 0  # torch threads; 0 = torch's default
+    seed: int = 0
+
+
+@dataclass(config=STRICT)
+class Params:
+    worlds: dict[str, WorldParams]
+    init_target: InitTargetParams = Field(default_factory=InitTargetParams)
+    init_tokenizer: InitTokenizerParams = Field(default_factory=InitTokenizerParams)
+    sample: SampleParams = Field(default_factory=SampleParams)
+    bench: BenchParams = Field(default_factory=BenchParams)
+
+    def world(self, name: str) -> WorldParams:
+        if name not in self.worlds:
+            raise ConfigError(f"unknown world {name!r}; params.yaml defines {sorted(self.worlds)}")
+        return self.worlds[name]
+
+
+def _describe(err: dict, source: str) -> str:
+    loc = [str(p) for p in err["loc"]]
+    section = ".".join(loc[:-1]) or "<top level>"
+    key = loc[-1] if loc else "?"
+    if err["type"] == "unexpected_keyword_argument":
+        return f"{source}: unknown key {key!r} in section {section!r}"
+    if err["type"] == "missing_argument" or err["type"] == "missing":
+        return f"{source}: missing key {key!r} in section {section!r}"
+    return f"{source}: bad value for {key!r} in section {section!r}: {err['msg']} (got {err.get('input')!r})"
+
+
+def parse_params(raw: Any, source: str = "params.yaml") -> Params:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a mapping of sections, got {type(raw).__name__}")
+    try:
+        params = TypeAdapter(Params).validate_python(raw)
+    except ValidationError as e:
+        raise ConfigError("\n".join(_describe(err, source) for err in e.errors())) from None
+    for name, world in params.worlds.items():
+        for section, build in (("target", world.gpt_config), ("tokenizer", world.vq_config)):
+            try:
+                build()
+            except (ValueError, TypeError) as e:
+                raise ConfigError(f"{source}: section 'worlds.{name}.{section}': {e}") from None
+        g, v = world.gpt_config(), world.vq_config()
+        if world.target_checkpoint is None and g.block_size != v.grid_size**2:
+            raise ConfigError(f"{source}: world {name!r}: target block_size {g.block_size} != tokenizer grid "
+                              f"{v.grid_size}x{v.grid_size} (image_size {v.image_size} / downsample {v.downsample})")
+        if world.target_checkpoint is None and g.vocab_size != v.codebook_size:
+            raise ConfigError(f"{source}: world {name!r}: target vocab_size {g.vocab_size} != tokenizer "
+                              f"codebook_size {v.codebook_size}")
+    try:
+        gpt_config(**params.bench.target)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{source}: section 'bench.target': {e}") from None
+    return params
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"params file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    return parse_params(raw, str(path))
+
+
+def profile_text(name: str) -> str:
+    """The YAML text of a named profile shipped in lisa/profiles/ (micro, toy)."""
+    files = resources.files("lisa") / "profiles"
+    names = sorted(p.name.removesuffix(".yaml") for p in files.iterdir() if p.name.endswith(".yaml"))
+    if name not in names:
+        raise ConfigError(f"unknown profile {name!r}; known: {names}")
+    return (files / f"{name}.yaml").read_text()

@@ -1,0 +1,398 @@
+"""LlamaGen-compatible autoregressive image transformer (the *target* of speculative decoding).
+
+Architecture only: Llama blocks (RMSNorm, SwiGLU, 2D RoPE over the token grid) with a condition prefix —
+one class token (c2i) or `cls_token_num` caption-feature tokens through a caption MLP (t2i) — and a static KV
+cache indexed by cache slots, gpt-fast style.
+
+Matches LlamaGen's `autoregressive/models/gpt.py` math exactly, so its checkpoints give the same logits:
+  * 2D RoPE: the head dim is split in two halves (row frequencies, then column frequencies), each rotated in
+    adjacent (even, odd) pairs; the condition positions get an all-zero rotation table (cos = sin = 0), which
+    zeroes their queries and keys — a quirk of the official code that we must reproduce.
+  * RMSNorm in fp32 with eps 1e-5, then cast back; `wqkv` split as [q | k | v]; logits in fp32.
+  * the null class is index `num_classes`; the unconditional caption is the learned `uncond_embedding` buffer.
+
+Beyond LlamaGen (what speculative decoding needs):
+  * `forward(x, input_pos, mask, rope_pos, taps)`: `input_pos` are cache slots to write, `rope_pos` the grid
+    positions (they differ inside a draft tree, where siblings share a depth), `mask` an explicit
+    (B|1, S, K) bool attention mask over cache slots for a block of new tokens (K <= cache length).
+  * `taps`: hidden states after chosen blocks (EAGLE-3 fuses a low, a middle and a high layer).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def find_multiple(n: int, k: int) -> int:
+    return n if n % k == 0 else n + k - (n % k)
+
+
+@dataclass
+class GPTConfig:
+    dim: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    n_kv_head: Optional[int] = None
+    multiple_of: int = 256  # SwiGLU hidden size rounded up to this
+    ffn_dim_multiplier: Optional[float] = None
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+    initializer_range: float = 0.02
+    token_dropout_p: float = 0.0
+    attn_dropout_p: float = 0.0
+    resid_dropout_p: float = 0.0
+    ffn_dropout_p: float = 0.0
+    model_type: str = "c2i"  # "c2i" | "t2i"
+    num_classes: int = 1000
+    caption_dim: int = 2048
+    class_dropout_prob: float = 0.1  # > 0 adds the null class row (index num_classes) / enables CFG
+    vocab_size: int = 16384
+    cls_token_num: int = 1  # condition prefix length: 1 for c2i, 120 for LlamaGen t2i
+    block_size: int = 256  # image tokens = grid_size ** 2
+
+    def __post_init__(self):
+        if self.model_type not in ("c2i", "t2i"):
+            raise ValueError(f"GPTConfig.model_type must be 'c2i' or 't2i', got {self.model_type!r}")
+        if self.dim % self.n_head:
+            raise ValueError(f"GPTConfig.dim={self.dim} is not divisible by n_head={self.n_head}")
+        if self.n_head % self.kv_heads:
+            raise ValueError(f"GPTConfig.n_head={self.n_head} is not divisible by n_kv_head={self.kv_heads}")
+        if (self.dim // self.n_head) % 4:
+            raise ValueError(f"GPTConfig head_dim={self.dim // self.n_head} must be divisible by 4 (2D RoPE)")
+        if math.isqrt(self.block_size) ** 2 != self.block_size:
+            raise ValueError(f"GPTConfig.block_size={self.block_size} is not a square token grid")
+        if self.model_type == "c2i" and self.cls_token_num != 1:
+            raise ValueError(f"GPTConfig: c2i uses one class token, got cls_token_num={self.cls_token_num}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def grid_size(self) -> int:
+        return math.isqrt(self.block_size)
+
+    @property
+    def ffn_hidden(self) -> int:
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return find_multiple(hidden, self.multiple_of)
+
+    @property
+    def has_null_cond(self) -> bool:
+        return self.model_type == "t2i" or self.class_dropout_prob > 0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GPTConfig":
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"GPTConfig: unknown field(s) {unknown}; known: {sorted(names)}")
+        return cls(**d)
+
+
+# Named configs: LlamaGen's sizes, plus tiny presets for CPU work and tests.
+PRESETS: dict[str, dict] = {
+    "GPT-B": dict(n_layer=12, n_head=12, dim=768),  # 111M
+    "GPT-L": dict(n_layer=24, n_head=16, dim=1024),  # 343M
+    "GPT-XL": dict(n_layer=36, n_head=20, dim=1280),  # 775M
+    "GPT-XXL": dict(n_layer=48, n_head=24, dim=1536),  # 1.4B
+    "GPT-XXXL": dict(n_layer=48, n_head=40, dim=2560),  # 3.9B
+    "GPT-1B": dict(n_layer=22, n_head=32, dim=2048),
+    "GPT-3B": dict(n_layer=24, n_head=32, dim=3200),
+    "GPT-7B": dict(n_layer=32, n_head=32, dim=4096),
+    "GPT-tiny": dict(n_layer=8, n_head=8, dim=256, multiple_of=64),  # ~7M at vocab 1024
+    "GPT-micro": dict(n_layer=2, n_head=4, dim=64, multiple_of=32),  # tests
+}
+
+
+def gpt_config(preset: Optional[str] = None, **overrides) -> GPTConfig:
+    """A named preset (see PRESETS) with any field overridden; no preset = the dataclass defaults."""
+    base = {}
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ValueError(f"unknown GPT preset {preset!r}; known: {sorted(PRESETS)}")
+        base = dict(PRESETS[preset])
+    return GPTConfig.from_dict({**base, **overrides})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2D rotary embedding
+
+
+def rope_2d_table(grid_size: int, head_dim: int, base: float, cls_token_num: int) -> Tensor:
+    """(cls_token_num + grid_size**2, head_dim // 2, 2) table of (cos, sin); zeros for the condition prefix."""
+    half = head_dim // 2
+    freqs = 1.0 / (base ** (torch.arange(0, half, 2)[: half // 2].float() / half))  # (head_dim // 4,)
+    t = torch.arange(grid_size, dtype=torch.float32)
+    angles = torch.outer(t, freqs)  # (G, head_dim // 4)
+    grid = torch.cat(
+        [angles[:, None, :].expand(-1, grid_size, -1), angles[None, :, :].expand(grid_size, -1, -1)], dim=-1
+    )  # (G, G, head_dim // 2): row angles then column angles
+    table = torch.stack([torch.cos(grid), torch.sin(grid)], dim=-1).flatten(0, 1)  # (G*G, head_dim // 2, 2)
+    return torch.cat([torch.zeros(cls_token_num, half, 2), table])
+
+
+def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
+    """x: (B, S, H, hd); rope: (B|1, S, hd // 2, 2). Rotates adjacent pairs, in fp32 like LlamaGen."""
+    xs = x.float().reshape(*x.shape[:-1], -1, 2)  # (B, S, H, hd/2, 2)
+    r = rope[:, :, None]  # (B|1, S, 1, hd/2, 2)
+    out = torch.stack(
+        [xs[..., 0] * r[..., 0] - xs[..., 1] * r[..., 1], xs[..., 1] * r[..., 0] + xs[..., 0] * r[..., 1]], dim=-1
+    )
+    return out.flatten(3).type_as(x)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Blocks
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=False)
+        self.dropout = nn.Dropout(cfg.ffn_dropout_p)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+
+
+class KVCache(nn.Module):
+    """Static cache (B, H_kv, L, hd); `update` writes the new keys/values at cache slots (rollback = overwrite)."""
+
+    def __init__(self, batch: int, length: int, n_kv_head: int, head_dim: int, dtype, device=None):
+        super().__init__()
+        shape = (batch, n_kv_head, length, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        # input_pos: (S,); k, v: (B, H_kv, S, hd) with B <= cache batch
+        b = k.shape[0]
+        self.k[:b, :, input_pos] = k
+        self.v[:b, :, input_pos] = v
+        return self.k[:b], self.v[:b]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        self.wqkv = nn.Linear(cfg.dim, (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.attn_dropout_p = cfg.attn_dropout_p
+        self.resid_dropout = nn.Dropout(cfg.resid_dropout_p)
+        self.kv_cache: Optional[KVCache] = None
+
+    def forward(self, x: Tensor, rope: Tensor, input_pos: Optional[Tensor], mask: Optional[Tensor]) -> Tensor:
+        B, S, D = x.shape
+        kv = self.n_kv_head * self.head_dim
+        q, k, v = self.wqkv(x).split([D, kv, kv], dim=-1)
+        q = apply_rope(q.view(B, S, self.n_head, self.head_dim), rope).transpose(1, 2)  # (B, H, S, hd)
+        k = apply_rope(k.view(B, S, self.n_kv_head, self.head_dim), rope).transpose(1, 2)  # (B, Hkv, S, hd)
+        v = v.view(B, S, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, Hkv, S, hd)
+        if input_pos is not None:
+            k, v = self.kv_cache.update(input_pos, k, v)  # (B, Hkv, L, hd)
+        if self.n_kv_head != self.n_head:
+            k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
+            v = v.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=self.attn_dropout_p if self.training else 0.0
+        )  # (B, H, S, hd)
+        return self.resid_dropout(self.wo(y.transpose(1, 2).reshape(B, S, D)))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.attention = Attention(cfg)
+        self.feed_forward = FeedForward(cfg)
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+    def forward(self, x: Tensor, rope: Tensor, input_pos: Optional[Tensor], mask: Optional[Tensor]) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, input_pos, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Condition embedders (LlamaGen's key names: cls_embedding.embedding_table / cls_embedding.cap_proj.fc{1,2})
+
+
+class LabelEmbedder(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.num_classes = cfg.num_classes
+        self.embedding_table = nn.Embedding(cfg.num_classes + int(cfg.class_dropout_prob > 0), cfg.dim)
+
+    def forward(self, labels: Tensor, drop: Optional[Tensor]) -> Tensor:
+        # labels: (B,) long; drop: (B,) bool -> the null class. Returns (B, 1, D).
+        if drop is not None:
+            labels = torch.where(drop, torch.full_like(labels, self.num_classes), labels)
+        return self.embedding_table(labels).unsqueeze(1)
+
+
+class CaptionMLP(nn.Module):
+    def __init__(self, in_dim: int, dim: int):
+        super().__init__()
+        self.fc1 = nn.Linear(in_dim, dim, bias=False)
+        self.fc2 = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class CaptionEmbedder(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cap_proj = CaptionMLP(cfg.caption_dim, cfg.dim)
+        self.register_buffer("uncond_embedding", torch.randn(cfg.cls_token_num, cfg.caption_dim) / cfg.caption_dim**0.5)
+
+    def forward(self, caption: Tensor, drop: Optional[Tensor]) -> Tensor:
+        # caption: (B, L, caption_dim) features; drop: (B,) bool -> the learned unconditional embedding.
+        if drop is not None:
+            caption = torch.where(drop[:, None, None], self.uncond_embedding.to(caption.dtype), caption)
+        return self.cap_proj(caption)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class GPTOutput(NamedTuple):
+    logits: Tensor  # (B, S, V) fp32
+    hidden: tuple[Tensor, ...]  # one (B, S, D) per requested tap, in the order asked
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.config = cfg
+        self.cls_embedding = LabelEmbedder(cfg) if cfg.model_type == "c2i" else CaptionEmbedder(cfg)
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.tok_dropout = nn.Dropout(cfg.token_dropout_p)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        rope = rope_2d_table(cfg.grid_size, cfg.head_dim, cfg.rope_base, cfg.cls_token_num)
+        self.register_buffer("rope", rope, persistent=False)  # (C + block_size, hd/2, 2)
+        self.register_buffer("causal", torch.ones(0, 0, dtype=torch.bool), persistent=False)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, m: nn.Module):
+        # LlamaGen: N(0, 0.02) everywhere, but a zero output head; we keep the head random so that a
+        # random-weight model has non-uniform next-token distributions (benchmarks, tests).
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=self.config.initializer_range)
+
+    @property
+    def seq_len(self) -> int:
+        """Full sequence length of one image: condition prefix + image tokens."""
+        return self.config.cls_token_num + self.config.block_size
+
+    def setup_caches(self, max_batch_size: int, max_seq_length: int, dtype=None, device=None):
+        """Allocate the static KV caches (rounded up to a multiple of 8 slots, like gpt-fast)."""
+        length = find_multiple(max_seq_length, 8)
+        dtype = dtype or self.tok_embeddings.weight.dtype
+        device = device or self.tok_embeddings.weight.device
+        for layer in self.layers:
+            layer.attention.kv_cache = KVCache(max_batch_size, length, self.config.kv_heads, self.config.head_dim, dtype, device)
+        self.causal = torch.tril(torch.ones(length, length, dtype=torch.bool, device=device))  # (L, L)
+
+    def clear_caches(self):
+        for layer in self.layers:
+            layer.attention.kv_cache = None
+        self.causal = torch.ones(0, 0, dtype=torch.bool, device=self.causal.device)
+
+    @property
+    def cache_length(self) -> int:
+        return self.causal.shape[0]
+
+    def embed_cond(self, cond: Tensor, drop: Optional[Tensor] = None) -> Tensor:
+        """Condition prefix (B, C, D): class ids (B,) for c2i, caption features (B, C, caption_dim) for t2i.
+        `drop` (B,) bool replaces a row's condition by the null class / unconditional caption (CFG)."""
+        return self.cls_embedding(cond, drop)[:, : self.config.cls_token_num]
+
+    def embed_tokens(self, idx: Tensor) -> Tensor:
+        return self.tok_embeddings(idx)  # (B, S, D)
+
+    def forward(
+        self,
+        x: Tensor,
+        input_pos: Optional[Tensor] = None,
+        mask: Optional[Tensor] = None,
+        rope_pos: Optional[Tensor] = None,
+        taps: Sequence[int] = (),
+    ) -> GPTOutput:
+        """x: (B, S, D) embeddings (condition prefix and/or image tokens).
+
+        input_pos: (S,) cache slots to write; None = no cache, a plain causal pass over positions 0..S-1.
+        mask: (B|1, S, K) bool, True = may attend, over cache slots 0..K-1 (K <= cache length); default causal.
+        rope_pos: (S,) or (B, S) sequence positions for RoPE; defaults to input_pos (or 0..S-1 without cache).
+        taps: block indices whose output hidden states are returned (EAGLE-3: low, mid, high).
+        """
+        B, S, _ = x.shape
+        if rope_pos is None:
+            rope_pos = input_pos if input_pos is not None else torch.arange(S, device=x.device)
+        rope = self.rope[rope_pos]  # (S | B,S, hd/2, 2)
+        rope = rope.unsqueeze(0) if rope.dim() == 3 else rope  # (B|1, S, hd/2, 2)
+        attn_mask = None
+        if input_pos is not None:
+            if self.cache_length == 0:
+                raise RuntimeError("Transformer.forward: input_pos given but no KV cache; call setup_caches first")
+            if mask is None:
+                attn_mask = self.causal[input_pos][None, None]  # (1, 1, S, L)
+            else:
+                mask = mask if mask.dim() == 3 else mask[None]
+                pad = self.cache_length - mask.shape[-1]
+                attn_mask = F.pad(mask, (0, pad), value=False)[:, None]  # (B|1, 1, S, L)
+        elif mask is not None:
+            attn_mask = (mask if mask.dim() == 3 else mask[None])[:, None]  # (B|1, 1, S, S)
+        h = self.tok_dropout(x)
+        hidden = {}
+        for i, layer in enumerate(self.layers):
+            h = layer(h, rope, input_pos, attn_mask)
+            if i in taps:
+                hidden[i] = h
+        logits = self.output(self.norm(h)).float()  # (B, S, V)
+        return GPTOutput(logits, tuple(hidden[i] for i in taps))
+
+    def teacher_forced(self, cond: Tensor, tokens: Tensor, drop: Optional[Tensor] = None, taps: Sequence[int] = ()) -> GPTOutput:
+        """Logits (B, T, V) for (condition, image tokens (B, T)) with no cache: logits[:, t] predicts tokens[:, t]
+        (it sees the condition and tokens[:, :t]). Hidden taps are aligned the same way."""
+        C = self.config.cls_token_num
+        x = torch.cat([self.embed_cond(cond, drop), self.embed_tokens(tokens[:, :-1])], dim=1)  # (B, C+T-1, D)
+        out = self(x, taps=taps)
+        return GPTOutput(out.logits[:, C - 1 :], tuple(h[:, C - 1 :] for h in out.hidden))
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def default_taps(n_layer: int) -> tuple[int, int, int]:
+    """EAGLE-3's choice of tapped layers: low = 2, mid = L // 2, high = L - 3 (clamped for tiny models)."""
+    clamp = lambda i: min(max(i, 0), n_layer - 1)  # noqa: E731
+    return clamp(2), clamp(n_layer // 2), clamp(n_layer - 3)

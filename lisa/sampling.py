@@ -1,0 +1,80 @@
+"""Sampling primitives shared by the target and the drafter: classifier-free guidance, temperature, top-k, top-p.
+
+Order, as in LlamaGen: guidance on the logits first (u + s * (c - u)), then temperature, then top-k, then top-p.
+Top-k keeps every token whose logit ties the k-th largest; top-p keeps the smallest prefix of the sorted
+distribution whose mass reaches p (the token that crosses p is kept). Temperature 0 means greedy.
+Sampling takes an explicit `torch.Generator` and makes no host sync (the exponential-race trick).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    cfg_scale: float = 1.0  # 1 = no guidance (the unconditional half is not even computed)
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def use_cfg(self) -> bool:
+        return self.cfg_scale != 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def cfg_logits(logits: Tensor, scale: float) -> Tensor:
+    """logits (2B, ..., V) with the conditional half first -> guided (B, ..., V) = u + scale * (c - u)."""
+    cond, uncond = logits.chunk(2, dim=0)
+    return uncond + scale * (cond - uncond)
+
+
+def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """Set the logits outside top-k / the top-p nucleus to -inf. logits: (..., V)."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # (..., 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        mass_before = torch.softmax(sorted_logits, dim=-1).cumsum(-1) - torch.softmax(sorted_logits, dim=-1)
+        drop_sorted = mass_before > top_p  # the token that crosses p is kept; the top-1 always is (as LlamaGen)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def logits_to_probs(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """Guided logits (..., V) -> the sampling distribution (..., V) in fp32. Temperature 0: one-hot argmax."""
+    logits = logits.float()
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    return torch.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)
+
+
+def sample_from(probs: Tensor, generator: Optional[torch.Generator] = None) -> Tensor:
+    """One draw per row of probs (..., V) -> (...,) long. Exponential race: argmax p / E, E ~ Exp(1);
+    exact, and free of host syncs (unlike torch.multinomial)."""
+    e = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    return torch.argmax(probs / e, dim=-1)
+
+
+def sample(logits: Tensor, cfg: SamplingConfig, generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor]:
+    """Guided logits (..., V) -> (tokens (...,), probs (..., V)). CFG must already be applied (cfg_logits)."""
+    probs = logits_to_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
+    tokens = probs.argmax(-1) if cfg.greedy else sample_from(probs, generator)
+    return tokens, probs
