@@ -1,0 +1,84 @@
+"""End to end on the micro profile: the CLI, `dvc repro`, and the Prefect flow `lisa-full` run the same stages."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lisa.cli import build_parser
+from lisa.config import profile_text
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+STAGES = ["init-tokenizer", "init-target", "sample", "bench"]
+
+
+def micro_repo(tmp_path: Path) -> Path:
+    """A copy of the pipeline definition (dvc.yaml, .dvc/config, the code it depends on) on the micro profile."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for name in ["dvc.yaml", ".dvcignore"]:
+        shutil.copy(ROOT / name, repo / name)
+    (repo / ".dvc").mkdir()
+    shutil.copy(ROOT / ".dvc" / "config", repo / ".dvc" / "config")
+    shutil.copytree(ROOT / "lisa", repo / "lisa", ignore=shutil.ignore_patterns("__pycache__"))
+    (repo / "params.yaml").write_text(profile_text("micro"))
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    return repo
+
+
+def run(cmd, cwd):
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def test_cli_lists_the_stages(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert all(s in out for s in STAGES)
+
+
+def test_cli_errors_name_the_problem(tmp_path, capsys):
+    from lisa.cli import main
+
+    (tmp_path / "params.yaml").write_text(profile_text("micro").replace("per_class:", "per_klass:"))
+    assert main(["sample", "--world", "random-c2i", "--params", str(tmp_path / "params.yaml")]) == 2
+    assert "unknown key 'per_klass' in section 'sample'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_dvc_repro_micro(tmp_path):
+    repo = micro_repo(tmp_path)
+    out = run([str(BIN / "dvc"), "repro"], repo)
+    for stage in STAGES:
+        assert f"Running stage '{stage}" in out
+    assert (repo / "reports/samples/random-c2i/grid.png").stat().st_size > 0
+    bench = json.loads((repo / "reports/bench/vanilla.json").read_text())
+    assert [r["cfg_scale"] for r in bench["rows"]] == [1.0, 2.0] and all(r["tokens_per_s"] > 0 for r in bench["rows"])
+    assert "didn't change" in run([str(BIN / "dvc"), "repro"], repo)  # nothing reruns
+    # a params change reruns only what depends on it
+    (repo / "params.yaml").write_text(profile_text("micro").replace("per_class: 2", "per_class: 3"))
+    out = run([str(BIN / "dvc"), "repro"], repo)
+    assert "Running stage 'sample@random-c2i'" in out and "Running stage 'init-target" not in out
+    assert json.loads((repo / "reports/samples/random-c2i/metrics.json").read_text())["images"] == 12
+
+
+@pytest.mark.slow
+def test_prefect_flow_micro(tmp_path):
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.lisa_full import lisa_full
+
+    repo = micro_repo(tmp_path)
+    with prefect_test_harness():
+        metrics = lisa_full(params_path="params.yaml", root=str(repo))
+    assert metrics["random-c2i"]["sample"]["images"] == 8
+    assert (repo / "reports/samples/random-c2i/grid.png").is_file()
+    assert (repo / "data/target/random-c2i/model.safetensors").is_file()
+    assert [r["cfg_scale"] for r in metrics["bench"]["rows"]] == [1.0, 2.0]
