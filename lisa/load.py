@@ -45,10 +45,9 @@ def llamagen_gpt_config(sd: dict, path, preset: Optional[str] = None, image_size
     n_layer = 1 + max((int(m.group(1)) for k in sd if (m := re.match(r"layers\.(\d+)\.", k))), default=-1)
     if "cls_embedding.embedding_table.weight" in sd:
         rows = sd["cls_embedding.embedding_table.weight"].shape[0]
-        inferred = dict(model_type="c2i", cls_token_num=1)
-        # A table of num_classes + 1 rows has the null class; LlamaGen's ImageNet models have 1001 rows.
-        inferred.update(num_classes=rows - 1, class_dropout_prob=0.1) if overrides.get("class_dropout_prob", 0.1) > 0 \
-            else inferred.update(num_classes=rows)
+        # LlamaGen's table ends with the null class row (ImageNet models: 1001 rows) unless trained without drop.
+        has_null = overrides.get("class_dropout_prob", 0.1) > 0
+        inferred = dict(model_type="c2i", cls_token_num=1, num_classes=rows - 1 if has_null else rows)
     elif "cls_embedding.cap_proj.fc1.weight" in sd:
         uncond = need("cls_embedding.uncond_embedding")
         inferred = dict(model_type="t2i", cls_token_num=uncond.shape[0], caption_dim=uncond.shape[1])
