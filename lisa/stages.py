@@ -38,38 +38,36 @@ def layout(world: str, root: str | Path = ".") -> dict[str, Path]:
     }
 
 
+def _save_initial(model, out: Path, kind: str, seed: int, checkpoint) -> dict:
+    """Write an imported (checkpoint set) or randomly initialised model as a step-0 artifact."""
+    made_from = ({"llamagen_checkpoint": str(checkpoint), "sha256": file_sha256(checkpoint)} if checkpoint
+                 else {"init": "random"})
+    meta = save_artifact(model, out, kind, model.config, step=0, seed=seed, made_from=made_from)
+    return {"params": sum(x.numel() for x in model.parameters()), "sha256": meta["sha256"], "path": str(out)}
+
+
 def init_target(world: WorldParams, p: InitTargetParams, out_dir: str | Path) -> dict:
     """Target artifact for a world: imported from `world.target_checkpoint` if set, else seeded random init."""
-    out = Path(out_dir) / TARGET_FILE
+    torch.manual_seed(p.seed)
     if world.target_checkpoint:
         vq = world.vq_config()
         overrides = {k: v for k, v in world.target.items() if k != "preset"}
         model = import_llamagen_gpt(world.target_checkpoint, world.target.get("preset"), vq.image_size,
                                     vq.downsample, **overrides)
-        made_from = {"llamagen_checkpoint": world.target_checkpoint,
-                     "sha256": file_sha256(world.target_checkpoint)}
     else:
-        torch.manual_seed(p.seed)
         model = Transformer(world.gpt_config())
-        made_from = {"init": "random"}
-    meta = save_artifact(model, out, "gpt", model.config, step=0, seed=p.seed, made_from=made_from)
-    return {"params": model.num_params(), "sha256": meta["sha256"], "path": str(out)}
+    return _save_initial(model, Path(out_dir) / TARGET_FILE, "gpt", p.seed, world.target_checkpoint)
 
 
 def init_tokenizer(world: WorldParams, p: InitTokenizerParams, out_dir: str | Path) -> dict:
     """Tokenizer artifact for a world: imported from `world.tokenizer_checkpoint` if set, else random init."""
-    out = Path(out_dir) / TOKENIZER_FILE
+    torch.manual_seed(p.seed)
     if world.tokenizer_checkpoint:
         overrides = {k: v for k, v in world.tokenizer.items() if k != "preset"}
         model = import_llamagen_vq(world.tokenizer_checkpoint, world.tokenizer.get("preset", "VQ-16"), **overrides)
-        made_from = {"llamagen_checkpoint": world.tokenizer_checkpoint,
-                     "sha256": file_sha256(world.tokenizer_checkpoint)}
     else:
-        torch.manual_seed(p.seed)
         model = VQModel(world.vq_config())
-        made_from = {"init": "random"}
-    meta = save_artifact(model, out, "vq", model.config, step=0, seed=p.seed, made_from=made_from)
-    return {"params": sum(x.numel() for x in model.parameters()), "sha256": meta["sha256"], "path": str(out)}
+    return _save_initial(model, Path(out_dir) / TOKENIZER_FILE, "vq", p.seed, world.tokenizer_checkpoint)
 
 
 def sample(target_path: str | Path, tokenizer_path: str | Path, p: SampleParams, out_dir: str | Path) -> dict:

@@ -118,7 +118,7 @@ def test_named_presets_and_config_fields():
     assert (xl.n_layer, xl.n_head, xl.dim, xl.vocab_size) == (36, 20, 1280, 16384)
     b = gpt_config("GPT-B", block_size=576)
     assert b.grid_size == 24 and b.ffn_hidden == 2048
-    with pytest.raises(ValueError, match="unknown GPT preset"):
+    with pytest.raises(ValueError, match="unknown GPTConfig preset"):
         gpt_config("GPT-XXXXL")
     with pytest.raises(ValueError, match="unknown field.*n_layers"):
         GPTConfig.from_dict({"n_layers": 3})

@@ -82,3 +82,27 @@ def test_prefect_flow_micro(tmp_path):
     assert (repo / "reports/samples/random-c2i/grid.png").is_file()
     assert (repo / "data/target/random-c2i/model.safetensors").is_file()
     assert [r["cfg_scale"] for r in metrics["bench"]["rows"]] == [1.0, 2.0]
+
+
+def test_stages_import_an_official_checkpoint(tmp_path):
+    """init-target with `target_checkpoint` imports a LlamaGen-layout file; the sidecar records its hash."""
+    import yaml
+
+    from lisa import stages
+    from lisa.checkpoint import file_sha256
+    from lisa.config import parse_params
+
+    asset = ROOT / "tests" / "assets" / "llamagen_c2i_tiny.pt"
+    raw = yaml.safe_load(profile_text("micro"))
+    raw["worlds"]["random-c2i"]["target"] = {"preset": "GPT-micro"}
+    raw["worlds"]["random-c2i"]["target_checkpoint"] = str(asset)
+    p = parse_params(raw)
+    where = stages.layout("random-c2i", tmp_path)
+    stages.init_tokenizer(p.world("random-c2i"), p.init_tokenizer, where["tokenizer"])
+    out = stages.init_target(p.world("random-c2i"), p.init_target, where["target"])
+    meta = json.loads((where["target"] / "model.json").read_text())
+    assert meta["made_from"]["sha256"] == file_sha256(asset) and meta["config"]["num_classes"] == 10
+    assert out["sha256"] == meta["sha256"]
+    metrics = stages.sample(where["target"] / stages.TARGET_FILE, where["tokenizer"] / stages.TOKENIZER_FILE,
+                            p.sample, where["samples"])
+    assert metrics["images"] == 8 and (where["samples"] / "grid.png").is_file()

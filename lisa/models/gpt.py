@@ -20,13 +20,15 @@ Beyond LlamaGen (what speculative decoding needs):
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+
+from lisa.models.presets import build_config
 
 
 def find_multiple(n: int, k: int) -> int:
@@ -95,11 +97,7 @@ class GPTConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "GPTConfig":
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"GPTConfig: unknown field(s) {unknown}; known: {sorted(names)}")
-        return cls(**d)
+        return build_config(cls, {}, **d)
 
 
 # Named configs: LlamaGen's sizes, plus tiny presets for CPU work and tests.
@@ -118,13 +116,8 @@ PRESETS: dict[str, dict] = {
 
 
 def gpt_config(preset: Optional[str] = None, **overrides) -> GPTConfig:
-    """A named preset (see PRESETS) with any field overridden; no preset = the dataclass defaults."""
-    base = {}
-    if preset is not None:
-        if preset not in PRESETS:
-            raise ValueError(f"unknown GPT preset {preset!r}; known: {sorted(PRESETS)}")
-        base = dict(PRESETS[preset])
-    return GPTConfig.from_dict({**base, **overrides})
+    """A named preset with any field overridden; no preset = the dataclass defaults."""
+    return build_config(GPTConfig, PRESETS, preset, **overrides)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -7,13 +7,15 @@ normalised codebook and always runs in fp32 (bf16 autocast would pick wrong code
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+
+from lisa.models.presets import build_config
 
 
 @dataclass
@@ -48,11 +50,7 @@ class VQConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "VQConfig":
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"VQConfig: unknown field(s) {unknown}; known: {sorted(names)}")
-        return cls(**d)
+        return build_config(cls, {}, **d)
 
 
 VQ_PRESETS: dict[str, dict] = {
@@ -67,12 +65,8 @@ VQ_PRESETS: dict[str, dict] = {
 
 
 def vq_config(preset: Optional[str] = None, **overrides) -> VQConfig:
-    base = {}
-    if preset is not None:
-        if preset not in VQ_PRESETS:
-            raise ValueError(f"unknown VQ preset {preset!r}; known: {sorted(VQ_PRESETS)}")
-        base = dict(VQ_PRESETS[preset])
-    return VQConfig.from_dict({**base, **overrides})
+    """A named preset with any field overridden; no preset = the dataclass defaults."""
+    return build_config(VQConfig, VQ_PRESETS, preset, **overrides)
 
 
 def swish(x: Tensor) -> Tensor:
