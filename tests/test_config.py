@@ -15,7 +15,7 @@ def micro() -> dict:
 
 def test_repo_params_and_profiles_load():
     p = load_params(ROOT / "params.yaml")
-    assert "random-c2i" in p.worlds and p.bench.target["preset"] == "GPT-B"
+    assert set(p.worlds) == {"fashion-c2i", "emoji-t2i"} and p.bench.target["preset"] == "GPT-B"
     assert parse_params(micro()).sample.per_class == 2
 
 
@@ -42,14 +42,14 @@ def test_mistyped_value_names_key():
 
 def test_bad_model_field_names_world_section():
     raw = micro()
-    raw["worlds"]["random-c2i"]["target"]["n_layers"] = 4
-    with pytest.raises(ConfigError, match=r"worlds.random-c2i.target.*n_layers"):
+    raw["worlds"]["fashion-c2i"]["target"]["n_layers"] = 4
+    with pytest.raises(ConfigError, match=r"worlds.fashion-c2i.target.*n_layers"):
         parse_params(raw)
 
 
 def test_target_and_tokenizer_must_agree():
     raw = micro()
-    raw["worlds"]["random-c2i"]["target"]["vocab_size"] = 128
+    raw["worlds"]["fashion-c2i"]["target"]["vocab_size"] = 128
     with pytest.raises(ConfigError, match="vocab_size 128 != tokenizer codebook_size 64"):
         parse_params(raw)
 

@@ -13,7 +13,9 @@ from lisa.config import profile_text
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-STAGES = ["init-tokenizer", "init-target", "sample", "bench"]
+STAGES = ["build-dataset", "train-tokenizer", "encode", "train-target", "init-tokenizer", "init-target", "sample",
+          "bench"]
+DAG = ["build-dataset", "train-tokenizer", "encode", "train-target", "sample", "bench"]
 
 
 def micro_repo(tmp_path: Path) -> Path:
@@ -48,7 +50,7 @@ def test_cli_errors_name_the_problem(tmp_path, capsys):
     from lisa.cli import main
 
     (tmp_path / "params.yaml").write_text(profile_text("micro").replace("per_class:", "per_klass:"))
-    assert main(["sample", "--world", "random-c2i", "--params", str(tmp_path / "params.yaml")]) == 2
+    assert main(["sample", "--world", "fashion-c2i", "--params", str(tmp_path / "params.yaml")]) == 2
     assert "unknown key 'per_klass' in section 'sample'" in capsys.readouterr().err
 
 
@@ -56,17 +58,20 @@ def test_cli_errors_name_the_problem(tmp_path, capsys):
 def test_dvc_repro_micro(tmp_path):
     repo = micro_repo(tmp_path)
     out = run([str(BIN / "dvc"), "repro"], repo)
-    for stage in STAGES:
+    for stage in DAG:
         assert f"Running stage '{stage}" in out
-    assert (repo / "reports/samples/random-c2i/grid.png").stat().st_size > 0
+    for world in ("fashion-c2i", "emoji-t2i"):
+        assert (repo / f"reports/samples/{world}/grid.png").stat().st_size > 0
+        assert (repo / f"data/target/{world}/model.safetensors").is_file()
+        assert json.loads((repo / f"reports/target/{world}.json").read_text())["heldout_nll_per_token"] > 0
     bench = json.loads((repo / "reports/bench/vanilla.json").read_text())
     assert [r["cfg_scale"] for r in bench["rows"]] == [1.0, 2.0] and all(r["tokens_per_s"] > 0 for r in bench["rows"])
     assert "didn't change" in run([str(BIN / "dvc"), "repro"], repo)  # nothing reruns
     # a params change reruns only what depends on it
     (repo / "params.yaml").write_text(profile_text("micro").replace("per_class: 2", "per_class: 3"))
     out = run([str(BIN / "dvc"), "repro"], repo)
-    assert "Running stage 'sample@random-c2i'" in out and "Running stage 'init-target" not in out
-    assert json.loads((repo / "reports/samples/random-c2i/metrics.json").read_text())["images"] == 12
+    assert "Running stage 'sample@fashion-c2i'" in out and "Running stage 'train-target" not in out
+    assert json.loads((repo / "reports/samples/fashion-c2i/metrics.json").read_text())["images"] == 12
 
 
 @pytest.mark.slow
@@ -78,9 +83,10 @@ def test_prefect_flow_micro(tmp_path):
     repo = micro_repo(tmp_path)
     with prefect_test_harness():
         metrics = lisa_full(params_path="params.yaml", root=str(repo))
-    assert metrics["random-c2i"]["sample"]["images"] == 8
-    assert (repo / "reports/samples/random-c2i/grid.png").is_file()
-    assert (repo / "data/target/random-c2i/model.safetensors").is_file()
+    assert metrics["fashion-c2i"]["sample"]["images"] == 8 and metrics["emoji-t2i"]["sample"]["images"] == 4
+    assert metrics["fashion-c2i"]["dataset"]["train"] == 256
+    assert (repo / "reports/samples/emoji-t2i/grid.png").is_file()
+    assert (repo / "data/target/fashion-c2i/model.safetensors").is_file()
     assert [r["cfg_scale"] for r in metrics["bench"]["rows"]] == [1.0, 2.0]
 
 
@@ -94,15 +100,16 @@ def test_stages_import_an_official_checkpoint(tmp_path):
 
     asset = ROOT / "tests" / "assets" / "llamagen_c2i_tiny.pt"
     raw = yaml.safe_load(profile_text("micro"))
-    raw["worlds"]["random-c2i"]["target"] = {"preset": "GPT-micro"}
-    raw["worlds"]["random-c2i"]["target_checkpoint"] = str(asset)
+    raw["worlds"] = {"imported": {"target": {"preset": "GPT-micro"}, "tokenizer": {"preset": "VQ-micro"},
+                                  "target_checkpoint": str(asset)}}
     p = parse_params(raw)
-    where = stages.layout("random-c2i", tmp_path)
-    stages.init_tokenizer(p.world("random-c2i"), p.init_tokenizer, where["tokenizer"])
-    out = stages.init_target(p.world("random-c2i"), p.init_target, where["target"])
+    world = p.world("imported")
+    where = stages.layout("imported", tmp_path)
+    stages.init_tokenizer(world, p.init_tokenizer, where["tokenizer"])
+    out = stages.init_target(world, p.init_target, where["target"])
     meta = json.loads((where["target"] / "model.json").read_text())
     assert meta["made_from"]["sha256"] == file_sha256(asset) and meta["config"]["num_classes"] == 10
     assert out["sha256"] == meta["sha256"]
     metrics = stages.sample(where["target"] / stages.TARGET_FILE, where["tokenizer"] / stages.TOKENIZER_FILE,
-                            p.sample, where["samples"])
+                            world, p.sample, where["samples"])
     assert metrics["images"] == 8 and (where["samples"] / "grid.png").is_file()

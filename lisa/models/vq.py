@@ -57,8 +57,8 @@ VQ_PRESETS: dict[str, dict] = {
     "VQ-16": dict(encoder_ch_mult=[1, 1, 2, 2, 4], decoder_ch_mult=[1, 1, 2, 2, 4]),  # LlamaGen vq_ds16_*
     "VQ-8": dict(encoder_ch_mult=[1, 2, 2, 4], decoder_ch_mult=[1, 2, 2, 4]),
     # 32x32 images -> 8x8 codes: the built-in worlds
-    "VQ-tiny": dict(codebook_size=1024, ch=64, encoder_ch_mult=[1, 2, 2], decoder_ch_mult=[1, 2, 2],
-                    z_channels=64, num_res_blocks=1, image_size=32),
+    "VQ-tiny": dict(codebook_size=1024, ch=16, encoder_ch_mult=[1, 2, 4], decoder_ch_mult=[1, 2, 4],
+                    z_channels=32, num_res_blocks=1, norm_groups=8, image_size=32),  # 0.8M, ~0.75 s/step of 64 on 2 CPUs
     "VQ-micro": dict(codebook_size=64, ch=16, encoder_ch_mult=[1, 1, 2], decoder_ch_mult=[1, 1, 2], z_channels=16,
                      num_res_blocks=1, norm_groups=8, image_size=16),
 }
