@@ -81,7 +81,7 @@ def test_prefect_flow_micro(tmp_path):
     from flows.lisa_full import lisa_full
 
     repo = micro_repo(tmp_path)
-    with prefect_test_harness():
+    with prefect_test_harness(server_startup_timeout=180):  # generous: CI machines may be busy
         metrics = lisa_full(params_path="params.yaml", root=str(repo))
     assert metrics["fashion-c2i"]["sample"]["images"] == 8 and metrics["emoji-t2i"]["sample"]["images"] == 4
     assert metrics["fashion-c2i"]["dataset"]["train"] == 256
