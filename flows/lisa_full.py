@@ -23,6 +23,7 @@ def lisa_full(params_path: str = "params.yaml", root: str = ".") -> dict:
             m["tokenizer"] = t.train_tokenizer(params_path, name, root)
             m["codes"] = t.encode(params_path, name, root)
             m["target"] = t.train_target(params_path, name, root)
+            m["premise"] = t.premise(params_path, name, root)
         else:
             m["tokenizer"] = t.init_tokenizer(params_path, name, root)
             m["target"] = t.init_target(params_path, name, root)

@@ -76,6 +76,16 @@ def cmd_sample(a):
     return sample(target, tokenizer, p.world(a.world), p.sample, a.out or where["samples"])
 
 
+def cmd_premise(a):
+    from lisa.stages import CODES_FILE, TARGET_FILE, TOKENIZER_FILE, layout, premise
+
+    p = load_params(a.params)
+    p.world(a.world)
+    where = layout(a.world)
+    return premise(where["target"] / TARGET_FILE, where["tokenizer"] / TOKENIZER_FILE, where["codes"] / CODES_FILE,
+                   p.premise, a.out or where["premise_report"])
+
+
 def cmd_bench(a):
     from lisa.stages import bench, layout
 
@@ -125,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = stage("sample", cmd_sample, "vanilla sampling: a grid, one row per class or prompt -> reports/samples/<world>/")
     s.add_argument("--target", default=None, help="target .safetensors (default: data/target/<world>/...)")
     s.add_argument("--tokenizer", default=None, help="tokenizer .safetensors (default: data/tokenizer/<world>/...)")
+    stage("premise", cmd_premise, "LISA's premise on held-out data: entropy, top-1 prob, codebook-neighbourhood "
+          "mass -> reports/premise/<world>.json")
     stage("bench", cmd_bench, "vanilla decode speed of a random-weight target vs its bare forwards "
           "-> reports/bench/vanilla.{json,md}", world=False)
     p = sub.add_parser("profile", help="print a named params profile (micro) to stdout")

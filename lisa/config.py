@@ -1,7 +1,7 @@
 """params.yaml -> typed dataclasses, strictly: an unknown or mistyped key is an error naming the key and section.
 
 One section per pipeline stage (`build_dataset`, `train_tokenizer`, `encode`, `train_target`, `init_target`,
-`init_tokenizer`, `sample`, `bench`) plus `worlds`: each world is
+`init_tokenizer`, `sample`, `premise`, `bench`) plus `worlds`: each world is
 one target family with its tokenizer (the stages loop over worlds). Named profiles (`micro` for CI, `toy`, the
 default params.yaml) live in lisa/profiles/. Validation uses pydantic dataclasses with extra keys forbidden.
 """
@@ -114,6 +114,14 @@ class SampleParams:
 
 
 @dataclass(config=STRICT)
+class PremiseParams:
+    cfg_scale: float = 4.0
+    max_sequences: int = 512  # held-out images measured (all their positions)
+    neighbours: list[int] = Field(default_factory=lambda: [8, 32])
+    seed: int = 0
+
+
+@dataclass(config=STRICT)
 class BenchParams:
     target: dict[str, Any] = Field(default_factory=lambda: {"preset": "GPT-B"})  # random weights
     num_tokens: int = 256  # image tokens decoded per run
@@ -135,6 +143,7 @@ class Params:
     init_target: InitTargetParams = Field(default_factory=InitTargetParams)
     init_tokenizer: InitTokenizerParams = Field(default_factory=InitTokenizerParams)
     sample: SampleParams = Field(default_factory=SampleParams)
+    premise: PremiseParams = Field(default_factory=PremiseParams)
     bench: BenchParams = Field(default_factory=BenchParams)
 
     def world(self, name: str) -> WorldParams:

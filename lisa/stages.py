@@ -20,12 +20,13 @@ from lisa import data
 from lisa.bench import bench_vanilla, markdown_table
 from lisa.checkpoint import atomic_write, file_sha256, read_state_dict, save_artifact, write_json
 from lisa.config import (BenchParams, BuildDatasetParams, EncodeParams, InitTargetParams, InitTokenizerParams,
-                         SampleParams, TrainTargetParams, TrainTokenizerParams, WorldParams)
+                         PremiseParams, SampleParams, TrainTargetParams, TrainTokenizerParams, WorldParams)
 from lisa.generate import generate
 from lisa.images import save_grid
 from lisa.load import import_llamagen_gpt, import_llamagen_vq, load_target, load_tokenizer
 from lisa.models.gpt import Transformer, gpt_config
 from lisa.models.vq import VQModel
+from lisa.premise import premise_stats
 from lisa.sampling import SamplingConfig
 from lisa.text import CaptionEncoder
 from lisa.train import train_gpt, train_vq
@@ -50,6 +51,7 @@ def layout(world: str, root: str | Path = ".") -> dict[str, Path]:
         "target_work": root / "data" / "work" / "target" / world,
         "tokenizer_report": root / "reports" / "tokenizer" / f"{world}.json",
         "target_report": root / "reports" / "target" / f"{world}.json",
+        "premise_report": root / "reports" / "premise" / f"{world}.json",
         "bench": root / "reports" / "bench",
     }
 
@@ -231,6 +233,20 @@ def sample(target_path: str | Path, tokenizer_path: str | Path, world: WorldPara
     }
     write_json(out / "metrics.json", metrics)
     return metrics
+
+
+def premise(target_path: str | Path, tokenizer_path: str | Path, codes_path: str | Path, p: PremiseParams,
+            report: str | Path) -> dict:
+    """LISA's premise on held-out data: flat over ids (U, top-1 prob) yet gathered in codebook neighbourhoods."""
+    model, target_meta = load_target(target_path)
+    vq, _ = load_tokenizer(tokenizer_path)
+    d = load_codes(codes_path, model.config.model_type)
+    n = min(p.max_sequences, len(d["test_tokens"]))
+    stats = premise_stats(model, vq.codebook(), d["test_tokens"][:n], d["test_cond"][:n], p.cfg_scale,
+                          tuple(p.neighbours), seed=p.seed)
+    stats["target_sha256"] = target_meta["sha256"]
+    write_json(report, stats)
+    return stats
 
 
 def bench(p: BenchParams, out_dir: str | Path) -> dict:

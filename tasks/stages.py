@@ -60,6 +60,14 @@ def sample(params_path: str, world: str, root: str = ".") -> dict:
                          p.world(world), p.sample, where["samples"])
 
 
+@task(name="premise")
+def premise(params_path: str, world: str, root: str = ".") -> dict:
+    p = load_params(params_path)
+    where = stages.layout(world, root)
+    return stages.premise(where["target"] / stages.TARGET_FILE, where["tokenizer"] / stages.TOKENIZER_FILE,
+                          where["codes"] / stages.CODES_FILE, p.premise, where["premise_report"])
+
+
 @task(name="bench")
 def bench(params_path: str, root: str = ".") -> dict:
     return stages.bench(load_params(params_path).bench, stages.layout("-", root)["bench"])
