@@ -8,6 +8,7 @@ drafter training and evaluation.
 """
 from __future__ import annotations
 
+import hashlib
 import shutil
 import time
 from pathlib import Path
@@ -92,8 +93,10 @@ def build_dataset(name: str, image_size: int, p: BuildDatasetParams, out_dir: st
     """A built-in dataset (lisa/data.py) as a HuggingFace DatasetDict saved to out_dir."""
     ds = data.build(name, image_size, p.test_fraction)
     for split, limit in (("train", p.max_train), ("test", p.max_test)):
-        if limit is not None:
-            ds[split] = ds[split].select(range(min(limit, len(ds[split]))))
+        n = len(ds[split]) if limit is None else min(limit, len(ds[split]))
+        # a fingerprint from the recipe, not a random one: the saved folder (and its DVC hash) is reproducible
+        recipe = f"{name}/{image_size}/{p.test_fraction}/{split}/{n}"
+        ds[split] = ds[split].select(range(n), new_fingerprint=hashlib.sha256(recipe.encode()).hexdigest()[:16])
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
