@@ -6,8 +6,8 @@
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-# Debian packages the pipeline needs (git: DVC tracks the repository).
-APT_PACKAGES := git
+# Debian packages the pipeline needs: git (DVC), the Fashion-MNIST files, the Noto emoji font.
+APT_PACKAGES := git dataset-fashion-mnist fonts-noto-color-emoji
 STAMP  := $(VENV)/.installed
 
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
