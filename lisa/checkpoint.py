@@ -46,6 +46,9 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]):
     os.close(fd)
     try:
         write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the usual permissions of a new file
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -121,9 +121,7 @@ def train_tokenizer(dataset_dir: str | Path, world: WorldParams, p: TrainTokeniz
     train_u8, test_u8, _ = _load_images(dataset_dir)
     torch.manual_seed(p.seed)
     model = VQModel(world.vq_config())
-    t0 = time.perf_counter()
     metrics = train_vq(model, train_u8, test_u8, p, work_dir)
-    metrics["train_s"] = time.perf_counter() - t0
     meta = save_artifact(model, Path(out_dir) / TOKENIZER_FILE, "vq", model.config, step=p.steps, seed=p.seed,
                          made_from={"dataset": str(dataset_dir)}, extra={"metrics": metrics})
     write_json(report, metrics)
@@ -178,9 +176,7 @@ def train_target(codes_path: str | Path, world: WorldParams, p: TrainTargetParam
     d = load_codes(codes_path, cfg.model_type)
     torch.manual_seed(p.seed)
     model = Transformer(cfg)
-    t0 = time.perf_counter()
     metrics = train_gpt(model, d["train_tokens"], d["train_cond"], d["test_tokens"], d["test_cond"], p, work_dir)
-    metrics["train_s"] = time.perf_counter() - t0
     meta = save_artifact(model.eval(), Path(out_dir) / TARGET_FILE, "gpt", cfg, step=p.steps, seed=p.seed,
                          made_from={"codes": str(codes_path), "codes_sha256": file_sha256(codes_path)},
                          extra={"metrics": metrics})

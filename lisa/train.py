@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
@@ -114,6 +115,7 @@ def train_vq(model: VQModel, train_u8: torch.Tensor, test_u8: torch.Tensor, cfg:
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95))
     step, extra = load_resume(resume, model, opt, cfg)
     usage = extra.get("usage", torch.zeros(model.config.codebook_size))
+    elapsed, t0 = float(extra.get("elapsed_s", 0.0)), time.perf_counter()  # training time over all resumptions
     gen = torch.Generator().manual_seed(cfg.seed + step)  # data order depends only on (seed, step): resumable
     model.train()
     bar = tqdm(range(step, cfg.steps), initial=step, total=cfg.steps, desc="train tokenizer", disable=not progress)
@@ -137,9 +139,11 @@ def train_vq(model: VQModel, train_u8: torch.Tensor, test_u8: torch.Tensor, cfg:
             usage.zero_()
         bar.set_postfix(rec=f"{logs['rec']:.4f}", dead_restarted=restarts)
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-            save_resume(resume, model, opt, cfg, step + 1, {"usage": usage})
+            save_resume(resume, model, opt, cfg, step + 1,
+                        {"usage": usage, "elapsed_s": torch.tensor(elapsed + time.perf_counter() - t0)})
     model.eval()
-    return evaluate_vq(model, test_u8, cfg.eval_batch_size)
+    train_s = elapsed + time.perf_counter() - t0
+    return evaluate_vq(model, test_u8, cfg.eval_batch_size) | {"train_s": train_s}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -174,7 +178,8 @@ def train_gpt(model, tokens: torch.Tensor, cond: torch.Tensor, test_tokens: torc
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
-    step, _ = load_resume(resume, model, opt, cfg)
+    step, extra = load_resume(resume, model, opt, cfg)
+    elapsed, t0 = float(extra.get("elapsed_s", 0.0)), time.perf_counter()  # training time over all resumptions
     gen = torch.Generator()
     model.train()
     bar = tqdm(range(step, cfg.steps), initial=step, total=cfg.steps, desc="train target", disable=not progress)
@@ -191,6 +196,7 @@ def train_gpt(model, tokens: torch.Tensor, cond: torch.Tensor, test_tokens: torc
         opt.step()
         bar.set_postfix(nll=f"{loss.item():.3f}")
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-            save_resume(resume, model, opt, cfg, step + 1, {})
+            save_resume(resume, model, opt, cfg, step + 1, {"elapsed_s": torch.tensor(elapsed + time.perf_counter() - t0)})
+    train_s = elapsed + time.perf_counter() - t0
     return {"heldout_nll_per_token": heldout_nll(model, test_tokens, test_cond, cfg.eval_batch_size),
-            "steps": cfg.steps}
+            "steps": cfg.steps, "train_s": train_s}

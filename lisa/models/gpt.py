@@ -111,6 +111,7 @@ PRESETS: dict[str, dict] = {
     "GPT-3B": dict(n_layer=24, n_head=32, dim=3200),
     "GPT-7B": dict(n_layer=32, n_head=32, dim=4096),
     "GPT-tiny": dict(n_layer=8, n_head=8, dim=256, multiple_of=64),  # ~7M at vocab 1024
+    "GPT-mini": dict(n_layer=6, n_head=6, dim=192, multiple_of=64),  # ~3M at vocab 1024: the built-in worlds
     "GPT-micro": dict(n_layer=2, n_head=4, dim=64, multiple_of=32),  # tests
 }
 
