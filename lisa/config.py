@@ -55,19 +55,24 @@ class BuildDatasetParams:
 
 
 @dataclass(config=STRICT)
-class TrainTokenizerParams:
+class TrainParams:
+    """What every training loop shares (lisa/train.py): steps, batch, warm-up + cosine schedule, checkpoints."""
     steps: int = 2000
     batch_size: int = 64
     lr: float = 1e-3
     min_lr: float = 1e-4
     warmup: int = 50
-    commit_beta: float = 0.25
-    l1_weight: float = 0.5
-    restart_every: int = 50
-    restart_min_usage: int = 1
     checkpoint_every: int = 100
     eval_batch_size: int = 256
     seed: int = 0
+
+
+@dataclass(config=STRICT)
+class TrainTokenizerParams(TrainParams):
+    commit_beta: float = 0.25
+    l1_weight: float = 0.5
+    restart_every: int = 50  # dead-code restarts
+    restart_min_usage: int = 1
 
 
 @dataclass(config=STRICT)
@@ -76,18 +81,10 @@ class EncodeParams:
 
 
 @dataclass(config=STRICT)
-class TrainTargetParams:
-    steps: int = 2000
-    batch_size: int = 64
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup: int = 100
+class TrainTargetParams(TrainParams):
     weight_decay: float = 0.05
     grad_clip: float = 1.0
-    cond_drop: float = 0.1
-    checkpoint_every: int = 100
-    eval_batch_size: int = 256
-    seed: int = 0
+    cond_drop: float = 0.1  # the null class / unconditional caption, for CFG
 
 
 @dataclass(config=STRICT)
