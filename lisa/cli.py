@@ -86,6 +86,35 @@ def cmd_premise(a):
                    p.premise, a.out or where["premise_report"])
 
 
+def cmd_fid_reference(a):
+    from lisa.stages import CODES_FILE, TOKENIZER_FILE, fid_reference, layout
+
+    p = load_params(a.params)
+    where = layout(a.world)
+    return fid_reference(where["dataset"], where["tokenizer"] / TOKENIZER_FILE, where["codes"] / CODES_FILE,
+                         p.world(a.world), p.quality, a.out or where["quality"], where["reference_report"],
+                         where["quality_work"])
+
+
+def cmd_train_judge(a):
+    from lisa.stages import layout, train_judge
+
+    p = load_params(a.params)
+    where = layout(a.world)
+    return train_judge(where["dataset"], p.world(a.world), p.train_judge, a.out or where["judge"],
+                       where["judge_report"], where["judge_work"])
+
+
+def cmd_evaluate(a):
+    from lisa.stages import CODES_FILE, REFERENCE_FILE, TARGET_FILE, TOKENIZER_FILE, evaluate, layout
+
+    p = load_params(a.params)
+    where = layout(a.world)
+    return evaluate(a.target or where["target"] / TARGET_FILE, where["tokenizer"] / TOKENIZER_FILE,
+                    where["codes"] / CODES_FILE, where["quality"] / REFERENCE_FILE, where["judge"],
+                    p.world(a.world), p.evaluate, p.quality, a.out or where["evaluate"], where["quality_work"])
+
+
 def cmd_bench(a):
     from lisa.stages import bench, layout
 
@@ -137,6 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tokenizer", default=None, help="tokenizer .safetensors (default: data/tokenizer/<world>/...)")
     stage("premise", cmd_premise, "LISA's premise on held-out data: entropy, top-1 prob, codebook-neighbourhood "
           "mass -> reports/premise/<world>.json")
+    stage("fid-reference", cmd_fid_reference, "held-out Inception features and reference FID / KID (train, VQ "
+          "reconstructions, unigram) -> data/quality/<world>/, reports/quality/<world>-reference.json")
+    stage("train-judge", cmd_train_judge, "train the world's quality judge: a classifier (c2i) or a small "
+          "open_clip CLIP (t2i) -> data/judge/<world>/, reports/judge/<world>.json")
+    s = stage("evaluate", cmd_evaluate, "CFG samples scored by FID / KID against held-out images and by the "
+              "judge -> reports/quality/<world>/")
+    s.add_argument("--target", default=None, help="target .safetensors (default: data/target/<world>/...)")
     stage("bench", cmd_bench, "vanilla decode speed of a random-weight target vs its bare forwards "
           "-> reports/bench/vanilla.{json,md}", world=False)
     p = sub.add_parser("profile", help="print a named params profile (micro) to stdout")

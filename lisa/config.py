@@ -119,6 +119,40 @@ class PremiseParams:
 
 
 @dataclass(config=STRICT)
+class TrainJudgeParams(TrainParams):
+    """The judges of sample quality (lisa/judges.py): a classifier (c2i) or a small open_clip CLIP (t2i)."""
+    weight_decay: float = 0.05
+    classifier_width: int = 64  # classifier: channels of its last conv block
+    width: int = 128  # CLIP: transformer width of both towers
+    layers: int = 3  # CLIP: layers of each tower
+    patch_size: int = 8  # CLIP: ViT patch size (32x32 images -> 4x4 patches)
+    embed_dim: int = 128  # CLIP: joint embedding size
+    context_length: int = 24  # CLIP: caption tokens (the longest emoji name has 21)
+
+
+@dataclass(config=STRICT)
+class QualityParams:
+    """FID / KID settings shared by `fid-reference` and `evaluate` (lisa/fid.py, lisa/quality.py)."""
+    max_images: int = 2000  # size of each reference set (held-out capped at its split size) and of unigram samples
+    inception_batch: int = 50
+    kid_subsets: int = 100
+    kid_subset_size: int = 1000
+    seed: int = 0
+
+
+@dataclass(config=STRICT)
+class EvaluateParams:
+    """Vanilla CFG samples scored by FID / KID against held-out images and by the world's judge."""
+    num_samples: int = 2000
+    batch_size: int = 250
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    cfg_scale: float = 4.0
+    seed: int = 0
+
+
+@dataclass(config=STRICT)
 class BenchParams:
     target: dict[str, Any] = Field(default_factory=lambda: {"preset": "GPT-B"})  # random weights
     num_tokens: int = 256  # image tokens decoded per run
@@ -141,6 +175,9 @@ class Params:
     init_tokenizer: InitTokenizerParams = Field(default_factory=InitTokenizerParams)
     sample: SampleParams = Field(default_factory=SampleParams)
     premise: PremiseParams = Field(default_factory=PremiseParams)
+    train_judge: TrainJudgeParams = Field(default_factory=TrainJudgeParams)
+    quality: QualityParams = Field(default_factory=QualityParams)
+    evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
     bench: BenchParams = Field(default_factory=BenchParams)
 
     def world(self, name: str) -> WorldParams:

@@ -9,19 +9,22 @@ drafter training and evaluation.
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from lisa import data
+from lisa import data, fid, judges, quality
 from lisa.bench import bench_vanilla, markdown_table
-from lisa.checkpoint import atomic_write, file_sha256, read_state_dict, save_artifact, write_json
+from lisa.checkpoint import atomic_write, file_sha256, load_artifact, read_state_dict, save_artifact, write_json
 from lisa.config import (BenchParams, BuildDatasetParams, EncodeParams, InitTargetParams, InitTokenizerParams,
-                         PremiseParams, SampleParams, TrainTargetParams, TrainTokenizerParams, WorldParams)
+                         EvaluateParams, PremiseParams, QualityParams, SampleParams,
+                         TrainJudgeParams, TrainTargetParams, TrainTokenizerParams, WorldParams)
 from lisa.generate import generate
 from lisa.images import save_grid
 from lisa.load import import_llamagen_gpt, import_llamagen_vq, load_target, load_tokenizer
@@ -54,6 +57,13 @@ def layout(world: str, root: str | Path = ".") -> dict[str, Path]:
         "target_report": root / "reports" / "target" / f"{world}.json",
         "premise_report": root / "reports" / "premise" / f"{world}.json",
         "bench": root / "reports" / "bench",
+        "quality": root / "data" / "quality" / world,
+        "quality_work": root / "data" / "work" / "quality" / world,
+        "reference_report": root / "reports" / "quality" / f"{world}-reference.json",
+        "judge": root / "data" / "judge" / world,
+        "judge_work": root / "data" / "work" / "judge" / world,
+        "judge_report": root / "reports" / "judge" / f"{world}.json",
+        "evaluate": root / "reports" / "quality" / world,
     }
 
 
@@ -265,3 +275,135 @@ def bench(p: BenchParams, out_dir: str | Path) -> dict:
     title = f"Vanilla decode, {name} ({model.num_params() / 1e6:.0f}M params, random weights), {result['threads']} threads"
     atomic_write(out / "vanilla.md", lambda tmp: Path(tmp).write_text(markdown_table(rows, title)))
     return result
+
+
+REFERENCE_FILE = "reference.safetensors"
+
+
+def fid_reference(dataset_dir: str | Path, tokenizer_path: str | Path, codes_path: str | Path, world: WorldParams,
+                  p: QualityParams, out_dir: str | Path, report: str | Path, work_dir: str | Path) -> dict:
+    """Held-out Inception features (kept for `evaluate`) and the reference FID / KID: held-out vs train (the
+    floor), vs VQ reconstructions, vs a unigram baseline. Resumable per set (work_dir)."""
+    train_u8, test_u8, _ = _load_images(dataset_dir)
+    vq, vq_meta = load_tokenizer(tokenizer_path)
+    codes = read_state_dict(codes_path)
+    # cached sets are only reused by a run of the same tokenizer, dataset and settings
+    recipe = json.dumps([vq_meta["sha256"], str(dataset_dir), len(train_u8), len(test_u8), p.max_images, p.seed])
+    work = Path(work_dir) / hashlib.sha256(recipe.encode()).hexdigest()[:12]
+    ref_idx = quality.subset(len(test_u8), p.max_images, p.seed)
+    train_idx = quality.subset(len(train_u8), p.max_images, p.seed + 1)
+
+    def feats(name, images):
+        return quality.cached(work / f"{name}.safetensors", "features",
+                              lambda: fid.features(images(), p.inception_batch))
+
+    ref = feats("heldout", lambda: test_u8[ref_idx])
+    sets = {
+        "train": lambda: train_u8[train_idx],
+        "reconstruction": lambda: quality.decode_tokens(vq, codes["test_codes"][ref_idx]),
+        "unigram": lambda: quality.decode_tokens(vq, quality.unigram_tokens(
+            codes["train_codes"], vq.config.codebook_size, p.max_images, p.seed)),
+    }
+    metrics = {name: fid.fid_kid(ref, feats(name, images), p.kid_subsets, p.kid_subset_size, p.seed)
+               for name, images in sets.items()}
+    meta = {"dataset": str(dataset_dir), "heldout_images": len(ref_idx), "tokenizer_sha256": vq_meta["sha256"],
+            "extractor": fid.EXTRACTOR}
+    quality.write_reference(Path(out_dir) / REFERENCE_FILE, ref, ref_idx, meta)
+    write_json(report, meta | {"vs_heldout": metrics})
+    return metrics
+
+
+JUDGE_FILE = "judge.safetensors"
+
+
+def _judge_scores(judge, images_u8: torch.Tensor, labels: torch.Tensor, captions: list[str]) -> float:
+    """Class consistency (%) or mean CLIP score of uint8 images for their labels / captions."""
+    x = data.to_model_range(images_u8)
+    if judge.config.kind == "classifier":
+        return 100 * judges.class_consistency(judge, x, labels)
+    return judges.clip_scores(judge, x, captions).mean().item()
+
+
+def train_judge(dataset_dir: str | Path, world: WorldParams, p: TrainJudgeParams, out_dir: str | Path,
+                report: str | Path, work_dir: str | Path) -> dict:
+    """Train the world's judge on its real training images: a classifier (c2i) or a small CLIP (t2i)."""
+    train_u8, test_u8, ds = _load_images(dataset_dir)
+    classes = ds["train"].features["label"].names
+    kind = "classifier" if world.gpt_config().model_type == "c2i" else "clip"
+    config = judges.JudgeConfig(kind, image_size=train_u8.shape[-1], num_classes=len(classes), width=p.width,
+                                layers=p.layers, patch_size=p.patch_size, classifier_width=p.classifier_width,
+                                embed_dim=p.embed_dim, context_length=p.context_length)
+    torch.manual_seed(p.seed)
+    model = judges.build(config)
+    labels = {s: torch.tensor(ds[s]["label"]) for s in ("train", "test")}
+    captions = {s: list(ds[s]["caption"]) for s in ("train", "test")}
+    metrics = judges.train_judge(model, data.to_model_range(train_u8), labels["train"], captions["train"], p,
+                                 work_dir)
+    test_x = data.to_model_range(test_u8)
+    if kind == "classifier":
+        metrics["heldout_accuracy"] = judges.class_consistency(model, test_x, labels["test"])
+    else:
+        metrics["heldout_retrieval"] = judges.retrieval(model, test_x, captions["test"])
+        metrics["heldout_clip_score"] = judges.clip_scores(model, test_x, captions["test"]).mean().item()
+        gen = torch.Generator().manual_seed(p.seed)
+        shuffled = [captions["test"][i] for i in torch.randperm(len(test_u8), generator=gen).tolist()]
+        metrics["heldout_clip_score_mismatched"] = judges.clip_scores(model, test_x, shuffled).mean().item()
+    meta = save_artifact(model, Path(out_dir) / JUDGE_FILE, "judge", config, step=p.steps, seed=p.seed,
+                         made_from={"dataset": str(dataset_dir)}, extra={"metrics": metrics, "classes": classes})
+    write_json(report, metrics | {"kind": kind})
+    return metrics | {"sha256": meta["sha256"]}
+
+
+def load_judge(path: str | Path):
+    model, meta = load_artifact(path, "judge", judges.build)
+    return model.eval(), meta
+
+
+def evaluate(target_path: str | Path, tokenizer_path: str | Path, codes_path: str | Path,
+             reference_path: str | Path, judge_dir: str | Path, world: WorldParams, p: EvaluateParams,
+             q: QualityParams, out_dir: str | Path, work_dir: str | Path) -> dict:
+    """`num_samples` vanilla CFG samples (classes in turn, or held-out captions in turn): FID / KID against the
+    held-out reference features, and the judge's score, next to the judge's score of real held-out images."""
+    model, target_meta = load_target(target_path)
+    vq, vq_meta = load_tokenizer(tokenizer_path)
+    judge, judge_meta = load_judge(Path(judge_dir) / JUDGE_FILE)
+    ref, ref_idx, ref_meta = quality.read_reference(reference_path)
+    if ref_meta.get("tokenizer_sha256") not in (None, vq_meta["sha256"]):
+        raise ValueError(f"{reference_path} was made with another tokenizer than {tokenizer_path}: "
+                         "rerun `lisa fid-reference`")
+    cfg = model.config
+    codes = read_state_dict(codes_path)
+    captions_all = json.loads(Path(codes_path).with_suffix(".json").read_text())["captions"]
+    n = p.num_samples
+    if cfg.model_type == "c2i":
+        labels = torch.arange(n) % cfg.num_classes
+        conds, captions = labels, []
+    else:
+        idx = codes["test_caption_idx"][torch.arange(n) % len(codes["test_caption_idx"])]
+        conds = codes["caption_feats"][idx].float()
+        labels, captions = codes["test_labels"][torch.arange(n) % len(codes["test_labels"])], \
+            [captions_all[i] for i in idx.tolist()]
+    sampling = SamplingConfig(p.temperature, p.top_k, p.top_p, p.cfg_scale)
+    recipe = json.dumps([target_meta["sha256"], vq_meta["sha256"], asdict(p)], sort_keys=True)
+    work = Path(work_dir) / ("samples-" + hashlib.sha256(recipe.encode()).hexdigest()[:12])
+    t0 = time.perf_counter()
+    tokens = quality.cached(work / "tokens.safetensors", "tokens",
+                            lambda: quality.generate_samples(model, conds, sampling, p.batch_size, p.seed))
+    sample_s = time.perf_counter() - t0
+    images = quality.decode_tokens(vq, tokens)
+    feats = quality.cached(work / "features.safetensors", "features",
+                           lambda: fid.features(images, q.inception_batch))
+    metrics = {"samples": n, "sampling": asdict(p), "sample_s": sample_s}
+    metrics |= fid.fid_kid(ref, feats, q.kid_subsets, q.kid_subset_size, q.seed)
+    score_name = "class_consistency" if judge.config.kind == "classifier" else "clip_score"
+    metrics[score_name] = _judge_scores(judge, images, labels, captions)
+    metrics[f"{score_name}_real_heldout"] = (100 * judge_meta["metrics"]["heldout_accuracy"]
+                                             if judge.config.kind == "classifier"
+                                             else judge_meta["metrics"]["heldout_clip_score"])
+    metrics |= {"target_sha256": target_meta["sha256"], "judge_sha256": judge_meta["sha256"]}
+    out = Path(out_dir)
+    order = torch.arange(min(n, 8 * (cfg.num_classes if cfg.model_type == "c2i" else 8)))
+    save_grid(data.to_model_range(images[order]), out / "samples.png", nrow=cfg.num_classes if cfg.model_type == "c2i" else 8)
+    atomic_write(out / "tokens.safetensors", lambda tmp: save_file({"tokens": tokens.to(torch.int16)}, tmp))
+    write_json(out / "metrics.json", metrics)
+    return metrics

@@ -68,6 +68,33 @@ def premise(params_path: str, world: str, root: str = ".") -> dict:
                           where["codes"] / stages.CODES_FILE, p.premise, where["premise_report"])
 
 
+@task(name="fid-reference")
+def fid_reference(params_path: str, world: str, root: str = ".") -> dict:
+    p = load_params(params_path)
+    where = stages.layout(world, root)
+    return stages.fid_reference(where["dataset"], where["tokenizer"] / stages.TOKENIZER_FILE,
+                                where["codes"] / stages.CODES_FILE, p.world(world), p.quality, where["quality"],
+                                where["reference_report"], where["quality_work"])
+
+
+@task(name="train-judge")
+def train_judge(params_path: str, world: str, root: str = ".") -> dict:
+    p = load_params(params_path)
+    where = stages.layout(world, root)
+    return stages.train_judge(where["dataset"], p.world(world), p.train_judge, where["judge"],
+                              where["judge_report"], where["judge_work"])
+
+
+@task(name="evaluate")
+def evaluate(params_path: str, world: str, root: str = ".") -> dict:
+    p = load_params(params_path)
+    where = stages.layout(world, root)
+    return stages.evaluate(where["target"] / stages.TARGET_FILE, where["tokenizer"] / stages.TOKENIZER_FILE,
+                           where["codes"] / stages.CODES_FILE, where["quality"] / stages.REFERENCE_FILE,
+                           where["judge"], p.world(world), p.evaluate, p.quality, where["evaluate"],
+                           where["quality_work"])
+
+
 @task(name="bench")
 def bench(params_path: str, root: str = ".") -> dict:
     return stages.bench(load_params(params_path).bench, stages.layout("-", root)["bench"])

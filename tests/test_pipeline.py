@@ -14,8 +14,9 @@ from lisa.config import profile_text
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 STAGES = ["build-dataset", "train-tokenizer", "encode", "train-target", "init-tokenizer", "init-target", "sample",
-          "bench"]
-DAG = ["build-dataset", "train-tokenizer", "encode", "train-target", "sample", "bench"]
+          "premise", "fid-reference", "train-judge", "evaluate", "bench"]
+DAG = ["build-dataset", "train-tokenizer", "encode", "train-target", "sample", "premise", "fid-reference",
+       "train-judge", "evaluate", "bench"]
 
 
 def micro_repo(tmp_path: Path) -> Path:
@@ -64,6 +65,12 @@ def test_dvc_repro_micro(tmp_path):
         assert (repo / f"reports/samples/{world}/grid.png").stat().st_size > 0
         assert (repo / f"data/target/{world}/model.safetensors").is_file()
         assert json.loads((repo / f"reports/target/{world}.json").read_text())["heldout_nll_per_token"] > 0
+        q = json.loads((repo / f"reports/quality/{world}/metrics.json").read_text())
+        ref = json.loads((repo / f"reports/quality/{world}-reference.json").read_text())["vs_heldout"]
+        assert q["samples"] == 8 and q["fid"] > 0 and set(ref) == {"train", "reconstruction", "unigram"}
+        assert (repo / f"reports/quality/{world}/samples.png").stat().st_size > 0
+    assert 0 <= json.loads((repo / "reports/quality/fashion-c2i/metrics.json").read_text())["class_consistency"] <= 100
+    assert json.loads((repo / "reports/quality/emoji-t2i/metrics.json").read_text())["clip_score"] >= 0
     bench = json.loads((repo / "reports/bench/vanilla.json").read_text())
     assert [r["cfg_scale"] for r in bench["rows"]] == [1.0, 2.0] and all(r["tokens_per_s"] > 0 for r in bench["rows"])
     assert "didn't change" in run([str(BIN / "dvc"), "repro"], repo)  # nothing reruns
@@ -71,6 +78,7 @@ def test_dvc_repro_micro(tmp_path):
     (repo / "params.yaml").write_text(profile_text("micro").replace("per_class: 2", "per_class: 3"))
     out = run([str(BIN / "dvc"), "repro"], repo)
     assert "Running stage 'sample@fashion-c2i'" in out and "Running stage 'train-target" not in out
+    assert "Running stage 'evaluate" not in out
     assert json.loads((repo / "reports/samples/fashion-c2i/metrics.json").read_text())["images"] == 12
 
 
@@ -87,6 +95,7 @@ def test_prefect_flow_micro(tmp_path):
     assert metrics["fashion-c2i"]["dataset"]["train"] == 256
     assert (repo / "reports/samples/emoji-t2i/grid.png").is_file()
     assert (repo / "data/target/fashion-c2i/model.safetensors").is_file()
+    assert metrics["emoji-t2i"]["evaluate"]["samples"] == 8 and "class_consistency" in metrics["fashion-c2i"]["evaluate"]
     assert [r["cfg_scale"] for r in metrics["bench"]["rows"]] == [1.0, 2.0]
 
 
