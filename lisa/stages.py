@@ -228,7 +228,9 @@ def sample(target_path: str | Path, tokenizer_path: str | Path, world: WorldPara
         tokens.append(tok)
     total_s = time.perf_counter() - t0
     out = Path(out_dir)
-    save_grid(torch.cat(images), out / "grid.png", nrow=p.per_class)
+    names = data.class_names(world.dataset.name) if cfg.model_type == "c2i" and world.dataset else None
+    labels = [f"{r} {names[int(r)]}" for r in rows] if names else rows
+    save_grid(torch.cat(images), out / "grid.png", nrow=p.per_class, labels=labels)
     tokens = torch.cat(tokens)
     atomic_write(out / "tokens.pt", lambda tmp: torch.save({"rows": rows, "tokens": tokens}, tmp))
     metrics = {
@@ -359,6 +361,34 @@ def load_judge(path: str | Path):
     return model.eval(), meta
 
 
+def _save_quality_grid(images: torch.Tensor, labels: torch.Tensor, captions: list[str], cfg, world: WorldParams,
+                       vq, test_codes: torch.Tensor, path: Path, rows: int = 10, per_row: int = 8) -> None:
+    """c2i: one row per class, its first samples; t2i: one row per held-out caption, the held-out image (through
+    the tokenizer) first, then the samples made for that caption."""
+    if cfg.model_type == "c2i":
+        names = data.class_names(world.dataset.name) if world.dataset else None
+        nrow = max(1, min(per_row, len(images) // cfg.num_classes))
+        pick = {c: torch.nonzero(labels == c).flatten()[:nrow] for c in range(min(rows, cfg.num_classes))}
+        pick = {c: i for c, i in pick.items() if len(i) == nrow}
+        grid = images[torch.cat(list(pick.values()))]
+        text = [f"{c} {names[c]}" if names else str(c) for c in pick]
+    else:
+        n, n_test = len(images), len(test_codes)
+        nrow = 1 + len(range(0, n, n_test))  # the real image, then every sample of its caption
+        seen, parts, text = set(), [], []
+        for j in range(min(n, n_test)):
+            idx = torch.arange(j, n, n_test)[: nrow - 1]
+            if captions[j] in seen or len(idx) < nrow - 1:
+                continue
+            seen.add(captions[j])
+            parts += [quality.decode_tokens(vq, test_codes[j : j + 1]), images[idx]]
+            text.append(captions[j])
+            if len(text) == rows:
+                break
+        grid = torch.cat(parts)
+    save_grid(data.to_model_range(grid), path, nrow=nrow, labels=text)
+
+
 def evaluate(target_path: str | Path, tokenizer_path: str | Path, codes_path: str | Path,
              reference_path: str | Path, judge_dir: str | Path, world: WorldParams, p: EvaluateParams,
              q: QualityParams, out_dir: str | Path, work_dir: str | Path) -> dict:
@@ -402,8 +432,7 @@ def evaluate(target_path: str | Path, tokenizer_path: str | Path, codes_path: st
                                              else judge_meta["metrics"]["heldout_clip_score"])
     metrics |= {"target_sha256": target_meta["sha256"], "judge_sha256": judge_meta["sha256"]}
     out = Path(out_dir)
-    order = torch.arange(min(n, 8 * (cfg.num_classes if cfg.model_type == "c2i" else 8)))
-    save_grid(data.to_model_range(images[order]), out / "samples.png", nrow=cfg.num_classes if cfg.model_type == "c2i" else 8)
+    _save_quality_grid(images, labels, captions, cfg, world, vq, codes["test_codes"], out / "samples.png")
     atomic_write(out / "tokens.safetensors", lambda tmp: save_file({"tokens": tokens.to(torch.int16)}, tmp))
     write_json(out / "metrics.json", metrics)
     return metrics
