@@ -1,0 +1,126 @@
+"""Draft trees: structure, attention masks, positions, root-to-leaf paths, and the EAGLE-2/3 dynamic expansion.
+
+A tree holds N draft nodes per batch row under an implicit root (the last accepted token, index -1). Rows of a
+batch have the same N but their own tokens and shapes. Node arrays are in breadth-first order (a parent comes
+before its children), which every function here relies on.
+
+  tokens  (B, N) long   the drafted token of each node
+  parents (B, N) long   index of the parent node, -1 for children of the root
+  depth   (B, N) long   1 for children of the root
+  scores  (B, N) float  cumulative draft log-probability of the path root -> node
+  q       (B, N + 1, V) optional: the drafter's distribution at the root (row 0) and at each node (row i + 1),
+                        the distribution each node's children were drafted from (what `exact` verification needs)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Tree:
+    tokens: Tensor
+    parents: Tensor
+    depth: Tensor
+    scores: Tensor
+    q: Optional[Tensor] = None
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[1]
+
+    def ancestor_mask(self) -> Tensor:
+        """(B, N, N) bool: node i may attend to node j iff j is i or one of its ancestors (tree attention)."""
+        B, N = self.parents.shape
+        mask = torch.eye(N, dtype=torch.bool, device=self.parents.device).expand(B, N, N).clone()
+        for i in range(N):  # breadth-first: a parent's row is complete before its children's
+            p = self.parents[:, i]
+            has = p >= 0
+            if has.any():
+                mask[has, i] |= mask[has, p[has]]
+        return mask
+
+    def leaves(self) -> Tensor:
+        """(B, N) bool: nodes without children."""
+        B, N = self.parents.shape
+        is_parent = torch.zeros(B, N + 1, dtype=torch.bool, device=self.parents.device)
+        is_parent.scatter_(1, self.parents + 1, True)  # index 0 collects the root's children
+        return ~is_parent[:, 1:]
+
+    def paths(self) -> Tensor:
+        """(B, P, D) node indices of every root-to-leaf path (P = most leaves in a row, D = deepest), padded -1."""
+        B, N = self.parents.shape
+        leaves = self.leaves()
+        P, D = int(leaves.sum(1).max()), int(self.depth.max()) if N else 0
+        out = torch.full((B, max(P, 1), max(D, 1)), -1, dtype=torch.long, device=self.parents.device)
+        for b in range(B):
+            for p, leaf in enumerate(torch.nonzero(leaves[b]).flatten().tolist()):
+                node, d = leaf, int(self.depth[b, leaf])
+                while node >= 0:
+                    out[b, p, d - 1] = node
+                    node, d = int(self.parents[b, node]), d - 1
+        return out
+
+
+def chain(tokens: Tensor, scores: Optional[Tensor] = None, q: Optional[Tensor] = None) -> Tree:
+    """A plain chain of drafts (B, N): node i's parent is i - 1."""
+    B, N = tokens.shape
+    ar = torch.arange(N, device=tokens.device)
+    return Tree(tokens, (ar - 1).expand(B, N).clone(), (ar + 1).expand(B, N).clone(),
+                scores if scores is not None else torch.zeros(B, N, device=tokens.device), q)
+
+
+def dynamic_tree(root_logprobs: Tensor, expand: Callable[[Tree, Tensor], Tensor], depth: int, top_k: int,
+                 total_tokens: int) -> Tree:
+    """EAGLE-2/3 dynamic tree. root_logprobs (B, V): the drafter's log-probs after the last accepted token.
+
+    Depth 1 takes the root's top_k children. At each further depth the top_k frontier nodes of the last layer
+    (by cumulative log-prob) are expanded: `expand(tree, nodes)` runs the drafter on those nodes of the tree
+    built so far (nodes (B, k) indices into it) and returns their log-probs (B, k, V); each gets its top_k
+    children. Finally all drafted nodes are reranked by cumulative log-prob and the best `total_tokens` kept
+    (ancestor-closed: a child never scores above its parent). `q` records each node's full distribution."""
+    B, V = root_logprobs.shape
+    top, idx = root_logprobs.topk(top_k, dim=-1)  # (B, k)
+    tokens, scores = idx, top
+    parents = torch.full((B, top_k), -1, dtype=torch.long, device=idx.device)
+    depths = torch.ones(B, top_k, dtype=torch.long, device=idx.device)
+    q_rows = [root_logprobs.exp()]  # row 0: root
+    q_nodes = torch.zeros(B, top_k, V, device=idx.device)  # filled once a node is expanded
+    frontier = torch.arange(top_k, device=idx.device).expand(B, top_k)  # the last layer's nodes
+    for _ in range(depth - 1):
+        layer_scores = scores.gather(1, frontier)
+        pick = frontier.gather(1, layer_scores.topk(min(top_k, frontier.shape[1]), dim=-1).indices)  # (B, k)
+        tree = Tree(tokens, parents, depths, scores)
+        logp = expand(tree, pick)  # (B, k, V)
+        q_nodes.scatter_(1, pick[..., None].expand(-1, -1, V), logp.exp())
+        ctop, cidx = logp.topk(top_k, dim=-1)  # (B, k, k)
+        cand = (scores.gather(1, pick)[..., None] + ctop).flatten(1)  # (B, k*k)
+        n0 = tokens.shape[1]
+        tokens = torch.cat([tokens, cidx.flatten(1)], 1)
+        scores = torch.cat([scores, cand], 1)
+        parents = torch.cat([parents, pick.repeat_interleave(top_k, dim=1)], 1)
+        depths = torch.cat([depths, depths.gather(1, pick).repeat_interleave(top_k, dim=1) + 1], 1)
+        q_nodes = torch.cat([q_nodes, torch.zeros(B, cand.shape[1], V, device=idx.device)], 1)
+        frontier = torch.arange(n0, tokens.shape[1], device=idx.device).expand(B, -1)
+    rank = scores - 1e-6 * depths  # ties (a child with log-prob 0) never outrank their parent
+    keep = rank.topk(min(total_tokens, tokens.shape[1]), dim=-1).indices.sort(dim=-1).values  # (B, N), BFS order
+    return select(Tree(tokens, parents, depths, scores, torch.cat([q_rows[0][:, None], q_nodes], 1)), keep)
+
+
+def select(tree: Tree, keep: Tensor) -> Tree:
+    """The sub-tree of nodes `keep` (B, N) (sorted, ancestor-closed), parents re-indexed."""
+    B, M = tree.tokens.shape
+    new_index = torch.full((B, M + 1), -1, dtype=torch.long, device=keep.device)  # old + 1 -> new (-1 = root)
+    new_index.scatter_(1, keep + 1, torch.arange(keep.shape[1], device=keep.device).expand(B, -1))
+    old_parent = tree.parents.gather(1, keep)
+    if ((old_parent >= 0) & (new_index.gather(1, old_parent + 1) < 0)).any():
+        raise ValueError("tree selection is not ancestor-closed")
+    q = None
+    if tree.q is not None:
+        rows = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=keep.device), keep + 1], 1)
+        q = tree.q.gather(1, rows[..., None].expand(-1, -1, tree.q.shape[-1]))
+    return Tree(tree.tokens.gather(1, keep), new_index.gather(1, old_parent + 1), tree.depth.gather(1, keep),
+                tree.scores.gather(1, keep), q)

@@ -1,0 +1,79 @@
+"""Draft trees: masks, paths, chains, and the dynamic (EAGLE-2/3) expansion."""
+import torch
+
+from lisa.tree import Tree, chain, dynamic_tree, select
+
+
+def small_tree():
+    #        root
+    #       /    \
+    #      0      1
+    #     / \      \
+    #    2   3      4
+    #    |
+    #    5
+    parents = torch.tensor([[-1, -1, 0, 0, 1, 2]])
+    depth = torch.tensor([[1, 1, 2, 2, 2, 3]])
+    return Tree(torch.arange(6)[None] + 10, parents, depth, torch.zeros(1, 6))
+
+
+def test_ancestor_mask_and_paths():
+    t = small_tree()
+    m = t.ancestor_mask()[0]
+    assert m[5].nonzero().flatten().tolist() == [0, 2, 5]
+    assert m[4].nonzero().flatten().tolist() == [1, 4]
+    assert m[0].nonzero().flatten().tolist() == [0]
+    assert t.leaves()[0].tolist() == [False, False, False, True, True, True]
+    assert t.paths()[0].tolist() == [[0, 3, -1], [1, 4, -1], [0, 2, 5]]
+
+
+def test_chain():
+    c = chain(torch.tensor([[5, 6, 7]]))
+    assert c.parents.tolist() == [[-1, 0, 1]] and c.depth.tolist() == [[1, 2, 3]]
+    assert c.ancestor_mask()[0].equal(torch.tril(torch.ones(3, 3, dtype=torch.bool)))
+    assert c.paths()[0].tolist() == [[0, 1, 2]]
+
+
+def fixed_drafter(V=12, seed=0):
+    table = torch.randn(V, V, generator=torch.Generator().manual_seed(seed)).log_softmax(-1)
+
+    def expand(tree, nodes):
+        return table[tree.tokens.gather(1, nodes)]  # next-token log-probs depend on the node's token only
+
+    return table, expand
+
+
+def test_dynamic_tree_scores_and_closure():
+    V = 12
+    table, expand = fixed_drafter(V)
+    root = torch.randn(2, V).log_softmax(-1)
+    t = dynamic_tree(root, expand, depth=4, top_k=3, total_tokens=10)
+    assert t.tokens.shape == (2, 10) and t.q.shape == (2, 11, V)
+    for b in range(2):
+        assert set(t.tokens[b, t.depth[b] == 1].tolist()) <= set(root[b].topk(3).indices.tolist())
+        for i in range(10):
+            p = int(t.parents[b, i])
+            assert p < i  # breadth-first, ancestor-closed
+            prev_tok_lp = root[b] if p < 0 else table[t.tokens[b, p]]
+            prev_score = 0.0 if p < 0 else t.scores[b, p]
+            torch.testing.assert_close(t.scores[b, i], prev_score + prev_tok_lp[t.tokens[b, i]])
+            assert int(t.depth[b, i]) == (1 if p < 0 else int(t.depth[b, p]) + 1)
+        torch.testing.assert_close(t.q[b, 0], root[b].exp())
+
+
+def test_dynamic_tree_top1_is_the_greedy_chain():
+    V = 12
+    table, expand = fixed_drafter(V)
+    root = torch.randn(1, V).log_softmax(-1)
+    t = dynamic_tree(root, expand, depth=5, top_k=1, total_tokens=5)
+    tok, greedy = int(root.argmax()), []
+    for _ in range(5):
+        greedy.append(tok)
+        tok = int(table[tok].argmax())
+    assert t.tokens[0].tolist() == greedy and t.parents[0].tolist() == [-1, 0, 1, 2, 3]
+
+
+def test_select_reindexes():
+    t = small_tree()
+    s = select(t, torch.tensor([[0, 2, 5]]))
+    assert s.parents.tolist() == [[-1, 0, 1]] and s.tokens.tolist() == [[10, 12, 15]]
