@@ -1,0 +1,166 @@
+"""Verifiers of a draft tree against the target: pure functions with one signature, in a registry.
+
+    verifier(ctx: VerifyContext, generator) -> Verdict
+
+`VerifyContext` carries what any verifier may need: the target's processed probabilities p at the root and at
+every node (after CFG, temperature, top-k / top-p: the distribution vanilla sampling draws from), its raw guided
+logits (entropy, margin: GASV's uncertainty), the tree with the drafter's distributions q, whether siblings
+were chosen deterministically (top-k trees) or sampled, and `geometry` (codebook, neighbour table, calibration)
+for the geometry-aware verifiers. Everything is batched: each row walks its own tree and accepts its own length.
+
+The walk (all verifiers): start at the root with the residual r = p(root). Try the current node's children in
+order; a verifier decides acceptance and how r changes on rejection. An accepted child becomes the current node
+(r = p(child)); when no child is accepted (or there are none) the row emits one token sampled from r: the
+correction after a rejection, or the bonus token after a leaf. Acceptance length tau counts both.
+
+`exact` is lossless:
+  * deterministic siblings (top-k trees): accept child x with probability r(x) (r normalised); on rejection set
+    r(x) = 0 and renormalise. The emitted token is then distributed exactly as p: P(x_i) = prod_{j<i} (1 -
+    r_j(x_j)) * r_i(x_i) = p(x_i), and what is left is p conditioned on not any x_j.
+  * sampled siblings (i.i.d. from q, SpecInfer): accept x with probability min(1, r(x) / q(x)); on rejection
+    r = norm(max(r - q, 0)) (recursive rejection sampling).
+`greedy` accepts the child equal to argmax p and emits argmax p: speculative greedy = vanilla greedy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from lisa.tree import Tree
+
+
+@dataclass
+class VerifyContext:
+    p: Tensor  # (B, N + 1, V) target probabilities at the root (row 0) and each node (row i + 1)
+    tree: Tree
+    logits: Optional[Tensor] = None  # (B, N + 1, V) raw guided target logits (uncertainty measures)
+    sampled_siblings: bool = False  # True: siblings drawn i.i.d. from q (SpecInfer); False: top-k (deterministic)
+    geometry: Any = None  # codebook / neighbour table / calibration, for relaxed verifiers
+    options: Optional[dict] = None  # verifier knobs (lantern k and delta, gasv kappa and lambda, ...)
+
+
+@dataclass
+class Verdict:
+    path: Tensor  # (B, D) accepted node indices, root side first, padded -1
+    n_accepted: Tensor  # (B,) accepted draft tokens
+    next_token: Tensor  # (B,) the token emitted after them (correction or bonus)
+
+
+def children_table(tree: Tree) -> Tensor:
+    """(B, N + 1, C) child node indices of the root (row 0) and every node (row i + 1), in node order, pad -1."""
+    B, N = tree.parents.shape
+    rows = tree.parents + 1  # (B, N) row of each node's parent
+    counts = torch.zeros(B, N + 1, dtype=torch.long, device=rows.device).scatter_add_(1, rows, torch.ones_like(rows))
+    C = max(int(counts.max()), 1)
+    out = torch.full((B, N + 1, C), -1, dtype=torch.long, device=rows.device)
+    # slot of each node among its siblings: how many earlier nodes share its parent
+    same = rows[:, :, None] == rows[:, None, :]  # (B, N, N)
+    slot = (same & torch.ones(N, N, dtype=torch.bool, device=rows.device).tril(-1)).sum(-1)  # (B, N)
+    b = torch.arange(B, device=rows.device)[:, None].expand(B, N)
+    out[b, rows, slot] = torch.arange(N, device=rows.device).expand(B, N)
+    return out
+
+
+AcceptFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, "VerifyContext"], tuple[Tensor, Tensor]]
+
+
+def walk(ctx: VerifyContext, generator: torch.Generator, accept_fn: AcceptFn,
+         emit_fn: Optional[Callable[[Tensor, torch.Generator], Tensor]] = None) -> Verdict:
+    """The shared tree walk, vectorised over the batch. accept_fn(r, tok, q_parent, u, row, ctx) -> (accept (B,)
+    bool, the residual after a rejection (B, V)); emit_fn(r, generator) -> (B,) tokens (default: sample r)."""
+    p, tree = ctx.p, ctx.tree
+    B = p.shape[0]
+    kids = children_table(tree)
+    depth = int(tree.depth.max()) if tree.size else 0
+    dev = p.device
+    ar = torch.arange(B, device=dev)
+    row = torch.zeros(B, dtype=torch.long, device=dev)  # the current node's row in p (0 = root)
+    r = p[:, 0].clone()
+    path = torch.full((B, max(depth, 1)), -1, dtype=torch.long, device=dev)
+    n_acc = torch.zeros(B, dtype=torch.long, device=dev)
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    for level in range(depth + 1):
+        moved = torch.zeros(B, dtype=torch.bool, device=dev)
+        for s in range(kids.shape[-1]):
+            child = kids[ar, row, s]  # (B,)
+            active = (child >= 0) & ~moved & ~done
+            if not active.any():
+                continue
+            tok = tree.tokens[ar, child.clamp(min=0)]
+            q_parent = tree.q[ar, row] if tree.q is not None else None
+            u = torch.rand(B, generator=generator, device=dev)
+            acc, r_rejected = accept_fn(r, tok, q_parent, u, row, ctx)
+            acc = acc & active
+            r = torch.where((active & ~acc)[:, None], r_rejected, r)
+            path[acc, level] = child[acc]  # a child of a node at depth `level` has depth level + 1 <= depth
+            moved |= acc
+        n_acc += moved.long()
+        done |= ~moved
+        if done.all():
+            break
+        row = torch.where(moved, path[:, level] + 1, row)
+        r = torch.where(moved[:, None], p[ar, row], r)
+    emit = emit_fn or sample_residual
+    return Verdict(path, n_acc, emit(r, generator))
+
+
+def sample_residual(r: Tensor, generator: torch.Generator) -> Tensor:
+    return torch.multinomial(r, 1, generator=generator).squeeze(-1)
+
+
+def _normalise(r: Tensor) -> Tensor:
+    return r / r.sum(-1, keepdim=True).clamp(min=1e-30)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The registry
+
+
+VERIFIERS: dict[str, Callable[[VerifyContext, torch.Generator], Verdict]] = {}
+
+
+def register(name: str):
+    def wrap(fn):
+        if name in VERIFIERS:
+            raise ValueError(f"verifier {name!r} is already registered")
+        VERIFIERS[name] = fn
+        return fn
+
+    return wrap
+
+
+def get_verifier(name: str):
+    if name not in VERIFIERS:
+        raise ValueError(f"unknown verifier {name!r}; known: {sorted(VERIFIERS)}")
+    return VERIFIERS[name]
+
+
+@register("greedy")
+def greedy(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
+    """Accept the child equal to the target's argmax; emit the argmax (ties: lowest id, like torch.argmax)."""
+
+    def accept(r, tok, q_parent, u, row, ctx):
+        return tok == r.argmax(-1), r  # r never changes: a rejected child is simply not the argmax
+
+    return walk(ctx, generator, accept, emit_fn=lambda r, g: r.argmax(-1))
+
+
+@register("exact")
+def exact(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
+    """Lossless: the sequential rule for deterministic siblings, recursive rejection sampling for sampled ones."""
+    if ctx.sampled_siblings and ctx.tree.q is None:
+        raise ValueError("exact verification of sampled siblings needs the drafter's q (tree.q)")
+
+    def accept(r, tok, q_parent, u, row, ctx):
+        r = _normalise(r)
+        r_tok = r.gather(1, tok[:, None]).squeeze(1)
+        if ctx.sampled_siblings:
+            q_tok = q_parent.gather(1, tok[:, None]).squeeze(1)
+            acc = u * q_tok < r_tok  # u < min(1, r / q)
+            return acc, _normalise((r - q_parent).clamp(min=0))
+        return u < r_tok, _normalise(r.scatter(1, tok[:, None], 0.0))
+
+    return walk(ctx, generator, accept)

@@ -1,0 +1,96 @@
+"""Verifiers: greedy follows the argmax; `exact` emits tokens distributed exactly as the target (chi-square,
+>= 1e5 draws, trees with several siblings per node, deterministic and sampled siblings)."""
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from lisa.tree import Tree, chain
+from lisa.verify import VerifyContext, children_table, get_verifier
+
+V = 6
+
+
+def chi2_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    probs = probs.double() / probs.double().sum()
+    return chisquare(counts.double().numpy(), (probs * counts.sum()).numpy()).pvalue
+
+
+def emitted(tree: Tree, verdict, n: int) -> torch.Tensor:
+    """The first n emitted tokens of each row (accepted drafts, then the correction / bonus), -1 if fewer."""
+    B = tree.tokens.shape[0]
+    out = torch.full((B, n), -1)
+    for i in range(n):
+        acc = verdict.n_accepted > i
+        node = verdict.path[:, i].clamp(min=0) if i < verdict.path.shape[1] else torch.zeros(B, dtype=torch.long)
+        out[:, i] = torch.where(acc, tree.tokens.gather(1, node[:, None]).squeeze(1),
+                                torch.where(verdict.n_accepted == i, verdict.next_token, torch.tensor(-1)))
+    return out
+
+
+def tree_batch(B, sampled: bool, seed=0):
+    """Root with 3 children; the first child has 2 children. Target p: p0 at the root, P2[token] at a child of
+    the root, P3[token] at a grandchild. Drafter q: q0 at the root, Q2[token] below."""
+    g = torch.Generator().manual_seed(seed)
+    p0 = torch.rand(V, generator=g).softmax(-1)
+    P2 = (2 * torch.rand(V, V, generator=g)).softmax(-1)
+    P3 = (2 * torch.rand(V, V, generator=g)).softmax(-1)
+    q0 = (2 * torch.rand(V, generator=g)).softmax(-1)
+    Q2 = (2 * torch.rand(V, V, generator=g)).softmax(-1)
+    parents = torch.tensor([-1, -1, -1, 0, 0]).expand(B, 5)
+    depth = torch.tensor([1, 1, 1, 2, 2]).expand(B, 5)
+    if sampled:  # i.i.d. draws from q
+        c = torch.multinomial(q0, 3 * B, replacement=True, generator=g).view(B, 3)
+        gc = torch.multinomial(Q2[c[:, 0]], 2, replacement=True, generator=g)
+    else:  # deterministic: top-3 of q0, top-2 of Q2 (the same in every row)
+        c = q0.topk(3).indices.expand(B, 3)
+        gc = Q2[c[:, 0]].topk(2, dim=-1).indices
+    tokens = torch.cat([c, gc], 1)
+    p = torch.stack([p0.expand(B, V), P2[c[:, 0]], P2[c[:, 1]], P2[c[:, 2]], P3[gc[:, 0]], P3[gc[:, 1]]], 1)
+    q = torch.stack([q0.expand(B, V), Q2[c[:, 0]], Q2[c[:, 1]], Q2[c[:, 2]], Q2[gc[:, 0]], Q2[gc[:, 1]]], 1)
+    return Tree(tokens, parents.clone(), depth.clone(), torch.zeros(B, 5), q), p, p0, P2
+
+
+def test_children_table():
+    t = Tree(torch.zeros(1, 5, dtype=torch.long), torch.tensor([[-1, -1, 0, 0, 1]]), torch.tensor([[1, 1, 2, 2, 2]]),
+             torch.zeros(1, 5))
+    assert children_table(t)[0].tolist() == [[0, 1], [2, 3], [4, -1], [-1, -1], [-1, -1], [-1, -1]]
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_exact_keeps_the_target_distribution(sampled):
+    B = 200_000
+    tree, p, p0, P2 = tree_batch(B, sampled)
+    verdict = get_verifier("exact")(VerifyContext(p, tree, sampled_siblings=sampled), torch.Generator().manual_seed(1))
+    out = emitted(tree, verdict, 2)
+    # the first emitted token ~ p0
+    counts = torch.bincount(out[:, 0], minlength=V).double()
+    assert chi2_p(counts, p0) > 1e-3
+    # given the first token x, the second ~ P2[x] (rows whose first token was an accepted draft)
+    tested = 0
+    for x in range(V):
+        rows = (verdict.n_accepted >= 1) & (out[:, 0] == x)
+        if rows.sum() < 2000:
+            continue
+        c2 = torch.bincount(out[rows, 1], minlength=V).double()
+        assert chi2_p(c2, P2[x]) > 1e-3
+        tested += 1
+    assert tested >= 1 and (verdict.n_accepted == 2).any()  # the tree is really walked to depth 2
+
+
+def test_exact_detects_a_wrong_rule():
+    """The test has power: accepting by min(1, p/q) on deterministic siblings (EAGLE's shortcut) is biased."""
+    B = 200_000
+    tree, p, p0, _ = tree_batch(B, sampled=False)
+    verdict = get_verifier("exact")(VerifyContext(p, tree, sampled_siblings=True), torch.Generator().manual_seed(1))
+    counts = torch.bincount(emitted(tree, verdict, 1)[:, 0], minlength=V).double()
+    assert chi2_p(counts, p0) < 1e-6
+
+
+def test_greedy_follows_argmax():
+    p = torch.tensor([[[0.1, 0.6, 0.3], [0.7, 0.2, 0.1], [0.2, 0.2, 0.6], [0.1, 0.1, 0.8]]])
+    tree = chain(torch.tensor([[1, 0, 1]]))
+    v = get_verifier("greedy")(VerifyContext(p, tree), torch.Generator())
+    # root argmax 1 == draft 1 (accept); at node 0 argmax 0 == draft 0 (accept); at node 1 argmax 2 != draft 1
+    assert v.n_accepted.tolist() == [2] and v.path[0, :2].tolist() == [0, 1] and v.next_token.tolist() == [2]
+    with pytest.raises(ValueError, match="unknown verifier"):
+        get_verifier("optimistic")
