@@ -6,13 +6,14 @@ torch.Generator. The speculative loop (drafting, verification) builds on the sam
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
 from lisa.models.gpt import Transformer
-from lisa.sampling import SamplingConfig, cfg_logits, sample
+from lisa.sampling import SamplingConfig, cfg_logits, sample, sample_from
 
 
 def prefix_embeddings(model: Transformer, cond: Tensor, use_cfg: bool) -> Tensor:
@@ -86,3 +87,229 @@ def generate(model: Transformer, cond: Tensor, sampling: SamplingConfig, generat
         input_pos = torch.tensor([C + t - 1], device=cond.device)  # slot of the token being fed
         tokens[:, t] = step(model, tokens[:, t - 1], input_pos, sampling, generator, key_mask)
     return tokens, {"forwards": T}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Speculative decoding: draft a tree with the drafter, verify it with one target forward, keep what passes.
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    verifier: str = "exact"  # a name in lisa.verify.VERIFIERS
+    tree: str = "dynamic"  # "dynamic" (EAGLE-2/3) | "chain"
+    depth: int = 4  # draft levels
+    top_k: int = 4  # children per expanded node, nodes expanded per level (dynamic)
+    total_tokens: int = 16  # draft nodes kept after reranking (dynamic)
+
+    def __post_init__(self):
+        if self.tree not in ("dynamic", "chain"):
+            raise ValueError(f"SpecConfig.tree must be 'dynamic' or 'chain', got {self.tree!r}")
+        if min(self.depth, self.top_k, self.total_tokens) < 1:
+            raise ValueError(f"SpecConfig: depth, top_k and total_tokens must be >= 1, got {self}")
+
+    @property
+    def nodes(self) -> int:
+        return self.depth if self.tree == "chain" else self.total_tokens
+
+
+def _dup(x: Tensor, use_cfg: bool) -> Tensor:
+    return torch.cat([x, x]) if use_cfg else x
+
+
+@torch.no_grad()
+def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: SamplingConfig, spec: SpecConfig,
+                         generator: Optional[torch.Generator] = None, num_tokens: Optional[int] = None,
+                         cond_mask: Optional[Tensor] = None, geometry=None,
+                         options: Optional[dict] = None) -> tuple[Tensor, dict]:
+    """Speculative sampling of image tokens (B, T) with an EAGLE-3 drafter; each row accepts its own length.
+
+    Layout. Target cache: condition prefix at slots 0..C-1, image token j at slot C + j once accepted; a round
+    writes its root (the last emitted token, not yet fed) at its own slot and the tree right after it, per row,
+    then moves the accepted nodes down to their sequence slots (the rest is overwritten later). Drafter cache:
+    pair j = (target hidden that predicted token j, token j) at slot j; tree pairs go after the committed ones.
+    RoPE positions are sequence positions (a node at depth d sits d after the root). CFG: cond rows then uncond
+    rows in both models, guidance on both models' logits. Returns (tokens, {"forwards", "rounds", "tau",
+    "accept_lengths"}): tau = tokens emitted per target forward after the prefill, bonus token included.
+    """
+    from lisa import verify
+    from lisa.sampling import logits_to_probs
+    from lisa.tree import Tree, chain, dynamic_tree
+
+    cfg = target.config
+    T = num_tokens or cfg.block_size
+    if sampling.use_cfg and not cfg.has_null_cond:
+        raise ValueError("cfg_scale != 1 needs a null class: this c2i model was built with class_dropout_prob=0")
+    verifier = verify.get_verifier(spec.verifier)
+    use_cfg, dev = sampling.use_cfg, cond.device
+    B, C, N = cond.shape[0], cfg.cls_token_num, spec.nodes
+    GB = (2 if use_cfg else 1) * B
+    taps = tuple(drafter.config.taps)
+    max_pos = target.rope.shape[0] - 1
+    target.setup_caches(GB, C + T + N + 2)
+    t_junk = target.cache_length - 1  # padding writes land here
+    scratch = spec.depth * spec.top_k if spec.tree == "dynamic" else spec.depth
+    drafter.setup_caches(GB, T + scratch + spec.top_k + 2)
+    d_junk = drafter.cache_length - 1
+    key_mask = prefix_key_mask(target, cond_mask, use_cfg)
+    ar = torch.arange(B, device=dev)
+    Lt, Ld = target.cache_length, drafter.cache_length
+
+    def probs_of(logits):  # (GB, ..., V) -> guided logits and the sampling distribution (B, ..., V)
+        g = guided(logits, sampling)
+        return g, logits_to_probs(g, sampling.temperature, sampling.top_k, sampling.top_p)
+
+    def draw(p):
+        return p.argmax(-1) if sampling.greedy else sample_from(p, generator)
+
+    # prefill: the target reads the prefix and gives token 0; the drafter commits pair 0
+    prefix = prefix_embeddings(target, cond, use_cfg)
+    pos = torch.arange(C, device=dev)
+    out = target(prefix, pos, mask=step_mask(target, pos, key_mask), taps=taps)
+    _, p0 = probs_of(out.logits[:, -1])
+    tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
+    tokens[:, 0] = draw(p0)
+    n = torch.ones(B, dtype=torch.long, device=dev)  # tokens emitted per row
+    fused = drafter.fuse([h[:, -1:] for h in out.hidden])  # (GB, 1, H)
+    d = drafter(_dup(tokens[:, :1], use_cfg), fused, input_pos=torch.zeros(GB, 1, dtype=torch.long, device=dev),
+                mask=(torch.arange(Ld, device=dev) == 0).expand(GB, 1, Ld),
+                rope_pos=torch.full((GB, 1), C, device=dev))
+    root_logits, root_hidden = d.logits[:, 0], d.hidden[:, :1]  # (GB, V), (GB, 1, H)
+
+    forwards, accepted, rounds = 1, [], 0
+    while bool((n < T).any()):
+        rounds += 1
+        live = n < T
+        base = (C + n - 1).clamp(max=Lt - N - 2)  # the root's slot (finished rows idle at the end)
+        # ---- draft
+        root_logp = guided(root_logits, sampling).log_softmax(-1)  # (B, V): scores use the raw guided drafter
+        if spec.tree == "chain":
+            tree = _draft_chain(drafter, root_logp, root_hidden, n, spec.depth, C, use_cfg, sampling, d_junk,
+                                max_pos, chain)
+        else:
+            tree = _draft_tree(drafter, root_logp, root_hidden, n, spec, C, use_cfg, sampling, max_pos,
+                               dynamic_tree)
+        # ---- verify: one target forward over root + tree, per-row slots and tree mask
+        S = N + 1
+        slots = base[:, None] + torch.arange(S, device=dev)  # (B, S)
+        anc = tree.ancestor_mask()  # (B, N, N)
+        mask = torch.arange(Lt, device=dev)[None, None, :] < base[:, None, None]  # committed (B, 1, Lt)
+        mask = mask.expand(B, S, Lt).clone()
+        if key_mask is not None:
+            mask &= key_mask[:B, None, :]
+        mask[ar, :, base] = True  # everyone sees the root
+        tree_cols = torch.zeros(B, S, Lt, dtype=torch.bool, device=dev)
+        tree_cols.scatter_(2, slots[:, None, 1:].expand(B, N, N), anc)  # node rows 1..N see their ancestors
+        mask[:, 1:] |= tree_cols[:, :N]
+        rope = (base[:, None] + torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), tree.depth], 1)).clamp(max=max_pos)
+        x = target.embed_tokens(_dup(torch.cat([tokens[ar, n - 1][:, None], tree.tokens], 1), use_cfg))
+        out = target(x, _dup(slots, use_cfg), mask=_dup(mask, use_cfg), rope_pos=_dup(rope, use_cfg), taps=taps)
+        forwards += 1
+        g_logits, p = probs_of(out.logits)  # (B, S, V)
+        verdict = verifier(verify.VerifyContext(p, tree, logits=g_logits, geometry=geometry, options=options),
+                           generator)
+        m = verdict.n_accepted  # (B,)
+        M = int(m.max())
+        # ---- commit: move accepted nodes to their sequence slots in the target cache
+        path = verdict.path[:, :M] if M else verdict.path[:, :0]
+        valid = torch.arange(M, device=dev)[None] < m[:, None]  # (B, M)
+        src = torch.where(valid, base[:, None] + 1 + path.clamp(min=0), torch.full_like(path, t_junk))
+        dst = torch.where(valid, base[:, None] + 1 + torch.arange(M, device=dev), torch.full_like(path, t_junk))
+        if M:
+            for layer in target.layers:
+                layer.attention.kv_cache.move(_dup(src, use_cfg), _dup(dst, use_cfg))
+        new = torch.cat([tree.tokens.gather(1, path.clamp(min=0)), verdict.next_token[:, None]], 1)  # (B, M+1)
+        new = torch.where(torch.cat([valid, torch.ones(B, 1, dtype=torch.bool, device=dev)], 1), new,
+                          torch.zeros_like(new))
+        # the (M+1)-th new token of a row with m < M sits at column m: shift next_token there
+        new.scatter_(1, m[:, None], verdict.next_token[:, None])
+        for i in range(M + 1):
+            write = live & (i <= m) & (n + i < T)
+            tokens[ar[write], (n + i)[write]] = new[write, i]
+        accepted.append(torch.where(live, torch.minimum(m + 1, T - n), torch.zeros_like(m)))  # what was kept
+        # ---- drafter: commit pairs n .. n + m (target hidden of root / accepted node, the token after it)
+        rows_h = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), 1 + path.clamp(min=0)], 1)  # (B, M+1)
+        feats = drafter.fuse([h.gather(1, _dup(rows_h, use_cfg)[..., None].expand(-1, -1, h.shape[-1]))
+                              for h in out.hidden])  # (GB, M+1, H)
+        ok = torch.arange(M + 1, device=dev)[None] <= m[:, None]  # (B, M+1)
+        dslots = torch.where(ok, (n[:, None] + torch.arange(M + 1, device=dev)).clamp(max=d_junk - 1),
+                             torch.full_like(rows_h, d_junk))
+        dmask = torch.arange(Ld, device=dev)[None, None, :] <= dslots[:, :, None]  # causal over own slots
+        dmask &= ok[:, :, None] | (torch.arange(Ld, device=dev)[None, None, :] == d_junk)
+        dmask[:, :, d_junk] |= ~ok  # padding rows see only the junk slot
+        drope = (C + n[:, None] + torch.arange(M + 1, device=dev)).clamp(max=max_pos)
+        d = drafter(_dup(new, use_cfg), feats, input_pos=_dup(dslots, use_cfg), mask=_dup(dmask, use_cfg),
+                    rope_pos=_dup(drope, use_cfg))
+        last = _dup(m, use_cfg)
+        root_logits = d.logits[torch.arange(GB, device=dev), last]
+        root_hidden = d.hidden[torch.arange(GB, device=dev), last][:, None]
+        n = torch.where(live, (n + m + 1).clamp(max=T), n)
+    acc = torch.stack(accepted) if accepted else torch.zeros(0, B, dtype=torch.long)
+    live_rounds = acc > 0
+    return tokens, {"forwards": forwards, "rounds": rounds,
+                    "tau": float(acc[live_rounds].float().mean()) if live_rounds.any() else 0.0,
+                    "accept_lengths": acc.T.tolist()}
+
+
+def _draft_tree(drafter, root_logp, root_hidden, n, spec: SpecConfig, C, use_cfg, sampling, max_pos, dynamic_tree):
+    """EAGLE-2/3 dynamic tree: expansions are drafter pairs written after the committed ones (slot n + level*k + i)
+    that see the committed pairs and their own ancestors' pairs."""
+    B = root_logp.shape[0]
+    dev = root_logp.device
+    Ld = drafter.cache_length
+    GB = root_hidden.shape[0]
+    state = {"level": 0, "slot_of": torch.zeros(B, 0, dtype=torch.long, device=dev),
+             "hid_of": torch.zeros(GB, 0, root_hidden.shape[-1], device=dev)}
+
+    def expand(tree, pick):
+        M, k = tree.size, pick.shape[1]
+        slot_of = torch.cat([state["slot_of"], torch.full((B, M - state["slot_of"].shape[1]), -1, dtype=torch.long,
+                                                          device=dev)], 1)
+        hid_of = torch.cat([state["hid_of"], torch.zeros(GB, M - state["hid_of"].shape[1], root_hidden.shape[-1],
+                                                         device=dev)], 1)
+        slots = n[:, None] + state["level"] * spec.top_k + torch.arange(k, device=dev)  # (B, k)
+        slot_of.scatter_(1, pick, slots)
+        anc = tree.ancestor_mask().gather(1, pick[..., None].expand(-1, -1, M))  # (B, k, M) incl. self
+        cols = torch.where(anc & (slot_of[:, None, :] >= 0), slot_of[:, None, :].expand(-1, k, -1),
+                           torch.full_like(slot_of[:, None, :].expand(-1, k, -1), Ld - 1))
+        mask = torch.arange(Ld, device=dev)[None, None, :] < n[:, None, None]
+        mask = mask.expand(B, k, Ld).clone()
+        mask.scatter_(2, cols, anc)
+        mask[:, :, Ld - 1] = False  # the junk slot is never attended
+        parent = tree.parents.gather(1, pick)  # (B, k)
+        in_hid = torch.where(_dup(parent, use_cfg)[..., None] < 0, root_hidden.expand(-1, k, -1),
+                             hid_of.gather(1, _dup(parent.clamp(min=0), use_cfg)[..., None].expand(-1, -1, hid_of.shape[-1])))
+        depth = tree.depth.gather(1, pick)
+        rope = (C + n[:, None] - 1 + depth).clamp(max=max_pos)
+        out = drafter(_dup(tree.tokens.gather(1, pick), use_cfg), in_hid, input_pos=_dup(slots, use_cfg),
+                      mask=_dup(mask, use_cfg), rope_pos=_dup(rope, use_cfg))
+        hid_of.scatter_(1, _dup(pick, use_cfg)[..., None].expand(-1, -1, hid_of.shape[-1]), out.hidden)
+        state.update(level=state["level"] + 1, slot_of=slot_of, hid_of=hid_of)
+        return guided(out.logits, sampling).log_softmax(-1)
+
+    return dynamic_tree(root_logp, expand, spec.depth, spec.top_k, spec.total_tokens)
+
+
+def _draft_chain(drafter, root_logp, root_hidden, n, depth, C, use_cfg, sampling, d_junk, max_pos, chain):
+    """A chain: the drafter's argmax, `depth` times (pairs at slots n, n+1, ...)."""
+    B, dev = root_logp.shape[0], root_logp.device
+    Ld = drafter.cache_length
+    toks, scores, qs = [], [], [root_logp.exp()]
+    logp, hid = root_logp, root_hidden
+    total = torch.zeros(B, device=dev)
+    for i in range(depth):
+        tok = logp.argmax(-1)
+        total = total + logp.gather(1, tok[:, None]).squeeze(1)
+        toks.append(tok)
+        scores.append(total)
+        if i == depth - 1:
+            break
+        slot = (n + i)[:, None]
+        mask = torch.arange(Ld, device=dev)[None, None, :] <= slot[:, :, None]
+        rope = (C + n[:, None] + i).clamp(max=max_pos)
+        out = drafter(_dup(tok[:, None], use_cfg), hid, input_pos=_dup(slot, use_cfg), mask=_dup(mask, use_cfg),
+                      rope_pos=_dup(rope, use_cfg))
+        hid = out.hidden
+        logp = guided(out.logits[:, 0], sampling).log_softmax(-1)
+        qs.append(logp.exp())
+    qs += [torch.zeros_like(qs[0])] * (depth + 1 - len(qs))
+    return chain(torch.stack(toks, 1), torch.stack(scores, 1), torch.stack(qs, 1))

@@ -185,11 +185,24 @@ class KVCache(nn.Module):
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        # input_pos: (S,); k, v: (B, H_kv, S, hd) with B <= cache batch
+        # input_pos: (S,) slots shared by all rows, or (B, S) per row (speculative decoding: rows accept their own
+        # lengths); k, v: (B, H_kv, S, hd) with B <= cache batch
         b = k.shape[0]
-        self.k[:b, :, input_pos] = k
-        self.v[:b, :, input_pos] = v
+        if input_pos.dim() == 2:
+            rows = torch.arange(b, device=k.device)[:, None]
+            self.k[rows, :, input_pos] = k.transpose(1, 2)  # advanced indices first: (B, S, H_kv, hd)
+            self.v[rows, :, input_pos] = v.transpose(1, 2)
+        else:
+            self.k[:b, :, input_pos] = k
+            self.v[:b, :, input_pos] = v
         return self.k[:b], self.v[:b]
+
+    def move(self, src: Tensor, dst: Tensor) -> None:
+        """Per row, copy the entries at slots src (B, M) to slots dst (B, M) (reads all before writing)."""
+        b = src.shape[0]
+        for buf in (self.k, self.v):
+            idx = lambda t: t[:, None, :, None].expand(b, buf.shape[1], t.shape[1], buf.shape[3])  # noqa: E731
+            buf[:b].scatter_(2, idx(dst), buf[:b].gather(2, idx(src)))
 
 
 class Attention(nn.Module):
@@ -343,7 +356,8 @@ class Transformer(nn.Module):
     ) -> GPTOutput:
         """x: (B, S, D) embeddings (condition prefix and/or image tokens).
 
-        input_pos: (S,) cache slots to write; None = no cache, a plain causal pass over positions 0..S-1.
+        input_pos: (S,) cache slots to write, or (B, S) per row (then `mask` is required); None = no cache, a plain
+            causal pass over positions 0..S-1.
         mask: (B|1, S, K) bool, True = may attend, over cache slots 0..K-1 (K <= cache length); default causal.
         rope_pos: (S,) or (B, S) sequence positions for RoPE; defaults to input_pos (or 0..S-1 without cache).
         taps: block indices whose output hidden states are returned (EAGLE-3: low, mid, high).
@@ -358,6 +372,8 @@ class Transformer(nn.Module):
             if self.cache_length == 0:
                 raise RuntimeError("Transformer.forward: input_pos given but no KV cache; call setup_caches first")
             if mask is None:
+                if input_pos.dim() == 2:
+                    raise ValueError("Transformer.forward: per-row input_pos needs an explicit mask")
                 attn_mask = self.causal[input_pos][None, None]  # (1, 1, S, L)
             else:
                 mask = mask if mask.dim() == 3 else mask[None]
