@@ -115,6 +115,16 @@ def cmd_evaluate(a):
                     p.world(a.world), p.evaluate, p.quality, a.out or where["evaluate"], where["quality_work"])
 
 
+def cmd_train_drafter(a):
+    from lisa.stages import CODES_FILE, TARGET_FILE, layout, train_drafter
+
+    p = load_params(a.params)
+    p.world(a.world)
+    where = layout(a.world)
+    return train_drafter(where["codes"] / CODES_FILE, where["target"] / TARGET_FILE, p.train_drafter,
+                         a.out or where["drafter"], where["drafter_report"], where["drafter_work"])
+
+
 def cmd_bench(a):
     from lisa.stages import bench, layout
 
@@ -173,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = stage("evaluate", cmd_evaluate, "CFG samples scored by FID / KID against held-out images and by the "
               "judge -> reports/quality/<world>/")
     s.add_argument("--target", default=None, help="target .safetensors (default: data/target/<world>/...)")
+    stage("train-drafter", cmd_train_drafter, "train the baseline EAGLE-3 drafter of a world's target (TTT, "
+          "resumable) -> data/drafter/<world>/drafter.safetensors, reports/drafter/<world>.json")
     stage("bench", cmd_bench, "vanilla decode speed of a random-weight target vs its bare forwards "
           "-> reports/bench/vanilla.{json,md}", world=False)
     p = sub.add_parser("profile", help="print a named params profile (micro) to stdout")

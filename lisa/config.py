@@ -119,6 +119,16 @@ class PremiseParams:
 
 
 @dataclass(config=STRICT)
+class TrainDrafterParams(TrainParams):
+    """Baseline EAGLE-3 drafter training with the training-time test (lisa/drafter_train.py)."""
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    cond_drop: float = 0.1  # unconditional rows, so the drafter drafts for both halves of a CFG batch
+    ttt_steps: int = 4  # unrolled drafting steps
+    ttt_decay: float = 0.8  # loss weight decay^s of step s
+
+
+@dataclass(config=STRICT)
 class TrainJudgeParams(TrainParams):
     """The judges of sample quality (lisa/judges.py): a classifier (c2i) or a small open_clip CLIP (t2i)."""
     weight_decay: float = 0.05
@@ -176,6 +186,7 @@ class Params:
     sample: SampleParams = Field(default_factory=SampleParams)
     premise: PremiseParams = Field(default_factory=PremiseParams)
     train_judge: TrainJudgeParams = Field(default_factory=TrainJudgeParams)
+    train_drafter: TrainDrafterParams = Field(default_factory=TrainDrafterParams)
     quality: QualityParams = Field(default_factory=QualityParams)
     evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
     bench: BenchParams = Field(default_factory=BenchParams)

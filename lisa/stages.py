@@ -14,6 +14,7 @@ import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Optional
 
 import torch
 from safetensors.torch import save_file
@@ -24,7 +25,7 @@ from lisa.bench import bench_vanilla, markdown_table
 from lisa.checkpoint import atomic_write, file_sha256, load_artifact, read_state_dict, save_artifact, write_json
 from lisa.config import (BenchParams, BuildDatasetParams, EncodeParams, InitTargetParams, InitTokenizerParams,
                          EvaluateParams, PremiseParams, QualityParams, SampleParams,
-                         TrainJudgeParams, TrainTargetParams, TrainTokenizerParams, WorldParams)
+                         TrainDrafterParams, TrainJudgeParams, TrainTargetParams, TrainTokenizerParams, WorldParams)
 from lisa.generate import generate
 from lisa.images import save_grid
 from lisa.load import import_llamagen_gpt, import_llamagen_vq, load_target, load_tokenizer
@@ -64,6 +65,9 @@ def layout(world: str, root: str | Path = ".") -> dict[str, Path]:
         "judge_work": root / "data" / "work" / "judge" / world,
         "judge_report": root / "reports" / "judge" / f"{world}.json",
         "evaluate": root / "reports" / "quality" / world,
+        "drafter": root / "data" / "drafter" / world,
+        "drafter_work": root / "data" / "work" / "drafter" / world,
+        "drafter_report": root / "reports" / "drafter" / f"{world}.json",
     }
 
 
@@ -436,3 +440,37 @@ def evaluate(target_path: str | Path, tokenizer_path: str | Path, codes_path: st
     atomic_write(out / "tokens.safetensors", lambda tmp: save_file({"tokens": tokens.to(torch.int16)}, tmp))
     write_json(out / "metrics.json", metrics)
     return metrics
+
+
+DRAFTER_FILE = "drafter.safetensors"
+
+
+def load_drafter(path: str | Path, target_meta: Optional[dict] = None):
+    """A drafter artifact; with `target_meta` (the target's sidecar), refuse one trained against another target."""
+    from lisa.checkpoint import CheckpointError
+    from lisa.models.drafter import build_drafter
+
+    model, meta = load_artifact(path, "drafter", build_drafter)
+    trained_on = meta.get("made_from", {}).get("target_sha256")
+    if target_meta is not None and trained_on != target_meta["sha256"]:
+        raise CheckpointError(f"{path}: drafter trained against target {trained_on}, but the target given has "
+                              f"sha256 {target_meta['sha256']}: retrain it (`lisa train-drafter`)")
+    return model.eval(), meta
+
+
+def train_drafter(codes_path: str | Path, target_path: str | Path, p: TrainDrafterParams, out_dir: str | Path,
+                  report: str | Path, work_dir: str | Path) -> dict:
+    """Baseline EAGLE-3 drafter (TTT, soft CE to the target) for a world's target, on its training codes."""
+    from lisa.drafter_train import new_drafter, train_drafter as train
+
+    target, target_meta = load_target(target_path)
+    d = load_codes(codes_path, target.config.model_type)
+    torch.manual_seed(p.seed)
+    drafter = new_drafter(target)
+    metrics = train(drafter, target, d["train_tokens"], d["train_cond"], d["test_tokens"][:512],
+                    d["test_cond"][:512], p, work_dir)
+    meta = save_artifact(drafter, Path(out_dir) / DRAFTER_FILE, "drafter", drafter.config, step=p.steps,
+                         seed=p.seed, made_from={"target": str(target_path), "target_sha256": target_meta["sha256"],
+                                                 "codes": str(codes_path)}, extra={"metrics": metrics})
+    write_json(report, metrics)
+    return metrics | {"sha256": meta["sha256"]}

@@ -95,6 +95,14 @@ def evaluate(params_path: str, world: str, root: str = ".") -> dict:
                            where["quality_work"])
 
 
+@task(name="train-drafter")
+def train_drafter(params_path: str, world: str, root: str = ".") -> dict:
+    p = load_params(params_path)
+    where = stages.layout(world, root)
+    return stages.train_drafter(where["codes"] / stages.CODES_FILE, where["target"] / stages.TARGET_FILE,
+                                p.train_drafter, where["drafter"], where["drafter_report"], where["drafter_work"])
+
+
 @task(name="bench")
 def bench(params_path: str, root: str = ".") -> dict:
     return stages.bench(load_params(params_path).bench, stages.layout("-", root)["bench"])

@@ -1,0 +1,82 @@
+"""Baseline drafter training: the TTT mask mirrors drafting, training learns, resume is exact, and a drafter
+refuses a target it was not trained against."""
+import pytest
+import torch
+
+from lisa.config import TrainDrafterParams
+from lisa.drafter_train import new_drafter, train_drafter, ttt_mask
+from lisa.generate import generate
+from lisa.sampling import SamplingConfig
+from tests.helpers import micro_gpt
+
+
+def test_ttt_mask_is_the_drafting_mask():
+    m = ttt_mask(T=5, steps=3)
+    idx = lambda s, j: s * 5 + j  # noqa: E731
+    # step 2, pair 4: committed pairs 0..2 (step 0), its chain: step 1 pair 3, itself
+    seen = {(k // 5, k % 5) for k in m[idx(2, 4)].nonzero().flatten().tolist()}
+    assert seen == {(0, 0), (0, 1), (0, 2), (1, 3), (2, 4)}
+    assert m[idx(0, 3)].nonzero().flatten().tolist() == [0, 1, 2, 3]  # step 0 is causal
+    assert m.any(-1).all()
+
+
+def data(target, n=64):
+    cond = torch.randint(0, 10, (n,))
+    tokens, _ = generate(target, cond, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0))
+    return tokens, cond
+
+
+def test_training_learns_and_resumes(tmp_path):
+    torch.manual_seed(0)
+    target = micro_gpt(vocab_size=16)
+    with torch.no_grad():
+        target.output.weight.mul_(30)  # peaked next-token distributions: something to learn
+    tokens, cond = data(target)
+    cfg = TrainDrafterParams(steps=40, batch_size=16, lr=3e-3, warmup=2, checkpoint_every=20, eval_batch_size=32,
+                             ttt_steps=3)
+    torch.manual_seed(0)
+    fresh = new_drafter(target)
+    from lisa.drafter_train import heldout_ttt
+
+    before = heldout_ttt(fresh, target, tokens[:32], cond[:32], cfg)
+    torch.manual_seed(0)
+    a = new_drafter(target)
+    m = train_drafter(a, target, tokens, cond, tokens[:32], cond[:32], cfg, tmp_path / "a", progress=False)
+    assert len(m["heldout_soft_ce"]) == 3 and m["heldout_soft_ce"][0] < before["heldout_soft_ce"][0] - 0.1
+    assert m["heldout_top1_agreement"][0] > before["heldout_top1_agreement"][0]
+    assert not a.tok_embeddings.weight.requires_grad  # the target's embedding, frozen
+    # a run killed after 20 steps resumes to the same weights
+    half = TrainDrafterParams(**{**cfg.__dict__})
+    torch.manual_seed(0)
+    b = new_drafter(target)
+    import lisa.drafter_train as dt
+
+    orig, calls = dt.save_resume, []
+
+    def die_after_first(*args, **kw):
+        orig(*args, **kw)
+        calls.append(1)
+        raise KeyboardInterrupt
+
+    dt.save_resume = die_after_first
+    with pytest.raises(KeyboardInterrupt):
+        train_drafter(b, target, tokens, cond, tokens[:32], cond[:32], half, tmp_path / "b", progress=False)
+    dt.save_resume = orig
+    torch.manual_seed(0)
+    b = new_drafter(target)
+    train_drafter(b, target, tokens, cond, tokens[:32], cond[:32], half, tmp_path / "b", progress=False)
+    for (k, va), vb in zip(a.state_dict().items(), b.state_dict().values()):
+        torch.testing.assert_close(va, vb, rtol=0, atol=0, msg=k)
+
+
+def test_drafter_artifact_checks_its_target(tmp_path):
+    from lisa.checkpoint import CheckpointError, save_artifact
+    from lisa.stages import load_drafter
+
+    target = micro_gpt()
+    d = new_drafter(target)
+    save_artifact(d, tmp_path / "drafter.safetensors", "drafter", d.config, made_from={"target_sha256": "abc"})
+    back, meta = load_drafter(tmp_path / "drafter.safetensors", {"sha256": "abc"})
+    torch.testing.assert_close(back.fc.weight, d.fc.weight)
+    with pytest.raises(CheckpointError, match="trained against target abc"):
+        load_drafter(tmp_path / "drafter.safetensors", {"sha256": "def"})
