@@ -12,14 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from lisa.sampling import cfg_logits
-
-
-def neighbour_table(codebook: torch.Tensor, k: int) -> torch.Tensor:
-    """(V, d) codes -> (V, k) indices of each code's k nearest other codes by cosine similarity."""
-    e = F.normalize(codebook.float(), dim=-1)
-    sim = e @ e.T  # (V, V)
-    sim.fill_diagonal_(-float("inf"))
-    return sim.topk(k, dim=-1).indices
+from lisa.verify import neighbour_table  # noqa: F401  (re-exported: the premise measures the same table)
 
 
 @torch.no_grad()

@@ -164,3 +164,80 @@ def exact(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
         return u < r_tok, _normalise(r.scatter(1, tok[:, None], 0.0))
 
     return walk(ctx, generator, accept)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Codebook geometry and LANTERN's relaxed acceptance
+
+
+@dataclass
+class Geometry:
+    """What geometry-aware verifiers read: each code's nearest codes on the L2-normalised codebook (V, K),
+    nearest first (LANTERN's table; cosine order = L2 order on the sphere), and the codebook itself (V, d)."""
+    neighbours: Tensor
+    codebook: Optional[Tensor] = None
+
+    @classmethod
+    def from_codebook(cls, codebook: Tensor, k: int) -> "Geometry":
+        return cls(neighbour_table(codebook, k), codebook)
+
+
+_NEIGHBOURS: dict[tuple, Tensor] = {}
+
+
+def neighbour_table(codebook: Tensor, k: int) -> Tensor:
+    """(V, d) codes -> (V, k) indices of each code's k nearest other codes (cosine), computed once per codebook
+    content and k (cached in memory)."""
+    import hashlib
+
+    key = (hashlib.sha256(codebook.detach().float().cpu().numpy().tobytes()).hexdigest(), k)
+    if key not in _NEIGHBOURS:
+        e = torch.nn.functional.normalize(codebook.float(), dim=-1)
+        sim = e @ e.T
+        sim.fill_diagonal_(-float("inf"))
+        _NEIGHBOURS[key] = sim.topk(k, dim=-1).indices
+    return _NEIGHBOURS[key]
+
+
+def lantern_boost(r: Tensor, tok: Tensor, neighbours: Tensor, k: int, delta: float) -> tuple[Tensor, Tensor]:
+    """LANTERN: the boosted probability of each draft token and the neighbours it absorbed.
+
+    r (B, V) normalised residual, tok (B,). Over the k nearest codes of tok, cum_j = their first j masses; the
+    largest j with cum_j <= delta (delta <= 1: an absolute total-variation budget) or cum_j <= (delta - 1) * r(tok)
+    (delta > 1: LANTERN++'s relative budget) is taken. Returns (r(tok) + cum_j (B,), absorbed (B, k) bool)."""
+    nn = neighbours[tok, :k]  # (B, k)
+    mass = r.gather(1, nn)  # (B, k)
+    cum = mass.cumsum(-1)
+    r_tok = r.gather(1, tok[:, None]).squeeze(1)
+    budget = torch.full_like(r_tok, delta) if delta <= 1 else (delta - 1) * r_tok
+    absorbed = cum <= budget[:, None] + 1e-12  # a prefix: cum is non-decreasing
+    boost = (mass * absorbed).sum(-1)
+    return r_tok + boost, absorbed
+
+
+@register("lantern")
+def lantern(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
+    """Relaxed acceptance: a draft is accepted with its boosted probability (the mass of the neighbours it may
+    stand for, within the budget delta); on rejection it and the neighbours it absorbed leave the residual.
+    Options: k (neighbours, default 5), delta (default 0.1). Deterministic siblings: accept if u < boosted mass;
+    sampled siblings: u < boosted / q(x), as LANTERN."""
+    if ctx.geometry is None:
+        raise ValueError("lantern needs the codebook geometry (VerifyContext.geometry = Geometry.from_codebook)")
+    opts = ctx.options or {}
+    k, delta = int(opts.get("k", 5)), float(opts.get("delta", 0.1))
+    table = ctx.geometry.neighbours
+    if table.shape[1] < k:
+        raise ValueError(f"lantern k={k} but the neighbour table holds {table.shape[1]} neighbours per code")
+
+    def accept(r, tok, q_parent, u, row, ctx):
+        r = _normalise(r)
+        boosted, absorbed = lantern_boost(r, tok, table, k, delta)
+        if ctx.sampled_siblings:
+            acc = u * q_parent.gather(1, tok[:, None]).squeeze(1) < boosted
+        else:
+            acc = u < boosted
+        drop = torch.zeros_like(r, dtype=torch.bool).scatter(1, tok[:, None], True)
+        drop.scatter_(1, table[tok, :k], absorbed)
+        return acc, _normalise(r.masked_fill(drop, 0.0))
+
+    return walk(ctx, generator, accept)

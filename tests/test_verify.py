@@ -94,3 +94,32 @@ def test_greedy_follows_argmax():
     assert v.n_accepted.tolist() == [2] and v.path[0, :2].tolist() == [0, 1] and v.next_token.tolist() == [2]
     with pytest.raises(ValueError, match="unknown verifier"):
         get_verifier("optimistic")
+
+
+def test_lantern_boost_budgets():
+    from lisa.verify import lantern_boost
+
+    r = torch.tensor([[0.4, 0.05, 0.1, 0.2, 0.25]])
+    nn = torch.tensor([[1, 2, 3, 4]] * 5)  # code 0's neighbours in order 1, 2, 3, 4
+    boosted, absorbed = lantern_boost(r, torch.tensor([0]), nn, k=4, delta=0.2)  # absolute: 0.05 + 0.1 <= 0.2
+    assert absorbed.tolist() == [[True, True, False, False]] and boosted.item() == pytest.approx(0.55)
+    boosted, absorbed = lantern_boost(r, torch.tensor([0]), nn, k=4, delta=2.0)  # relative: <= 1.0 * 0.4
+    assert absorbed.tolist() == [[True, True, True, False]] and boosted.item() == pytest.approx(0.75)
+
+
+def test_lantern_relaxes_towards_neighbours():
+    """With delta = 0, lantern is exact; with a budget it accepts more, and its output distribution moves mass
+    from the neighbours of drafted tokens onto the drafts (measured, not assumed)."""
+    from lisa.verify import Geometry
+
+    B = 100_000
+    tree, p, p0, _ = tree_batch(B, sampled=False)
+    codebook = torch.randn(V, 4, generator=torch.Generator().manual_seed(5))
+    geo = Geometry.from_codebook(codebook, k=V - 1)
+    g = lambda: torch.Generator().manual_seed(2)  # noqa: E731
+    strict = get_verifier("lantern")(VerifyContext(p, tree, geometry=geo, options={"k": 3, "delta": 0.0}), g())
+    relaxed = get_verifier("lantern")(VerifyContext(p, tree, geometry=geo, options={"k": 3, "delta": 0.3}), g())
+    assert chi2_p(torch.bincount(emitted(tree, strict, 1)[:, 0], minlength=V), p0) > 1e-3
+    assert relaxed.n_accepted.float().mean() > strict.n_accepted.float().mean() + 0.05
+    with pytest.raises(ValueError, match="geometry"):
+        get_verifier("lantern")(VerifyContext(p, tree), g())
