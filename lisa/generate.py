@@ -189,20 +189,7 @@ def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: S
             tree = _draft_tree(drafter, root_logp, root_hidden, n, spec, C, use_cfg, sampling, max_pos,
                                dynamic_tree)
         # ---- verify: one target forward over root + tree, per-row slots and tree mask
-        S = N + 1
-        slots = base[:, None] + torch.arange(S, device=dev)  # (B, S)
-        anc = tree.ancestor_mask()  # (B, N, N)
-        mask = torch.arange(Lt, device=dev)[None, None, :] < base[:, None, None]  # committed (B, 1, Lt)
-        mask = mask.expand(B, S, Lt).clone()
-        if key_mask is not None:
-            mask &= key_mask[:B, None, :]
-        mask[ar, :, base] = True  # everyone sees the root
-        tree_cols = torch.zeros(B, S, Lt, dtype=torch.bool, device=dev)
-        tree_cols.scatter_(2, slots[:, None, 1:].expand(B, N, N), anc)  # node rows 1..N see their ancestors
-        mask[:, 1:] |= tree_cols[:, :N]
-        rope = (base[:, None] + torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), tree.depth], 1)).clamp(max=max_pos)
-        x = target.embed_tokens(_dup(torch.cat([tokens[ar, n - 1][:, None], tree.tokens], 1), use_cfg))
-        out = target(x, _dup(slots, use_cfg), mask=_dup(mask, use_cfg), rope_pos=_dup(rope, use_cfg), taps=taps)
+        out = tree_forward(target, tokens[ar, n - 1], tree, base, key_mask, use_cfg, taps)
         forwards += 1
         g_logits, p = probs_of(out.logits)  # (B, S, V)
         verdict = verifier(verify.VerifyContext(p, tree, logits=g_logits, geometry=geometry, options=options),
@@ -248,6 +235,27 @@ def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: S
     return tokens, {"forwards": forwards, "rounds": rounds,
                     "tau": float(acc[live_rounds].float().mean()) if live_rounds.any() else 0.0,
                     "accept_lengths": acc.T.tolist()}
+
+
+def tree_forward(target: Transformer, root: Tensor, tree, base: Tensor, key_mask: Optional[Tensor], use_cfg: bool,
+                 taps=()):
+    """One target forward over [root, tree nodes] per row: the root at slot base (B,), node i at base + 1 + i;
+    each query sees the committed slots < base (and the caption key mask), the root, and its ancestors."""
+    B, N = tree.tokens.shape
+    dev = root.device
+    Lt = target.cache_length
+    slots = base[:, None] + torch.arange(N + 1, device=dev)  # (B, S)
+    mask = (torch.arange(Lt, device=dev)[None, None, :] < base[:, None, None]).expand(B, N + 1, Lt).clone()
+    if key_mask is not None:
+        mask &= key_mask[:B, None, :]
+    mask[torch.arange(B, device=dev), :, base] = True  # everyone sees the root
+    tree_cols = torch.zeros(B, N + 1, Lt, dtype=torch.bool, device=dev)
+    tree_cols.scatter_(2, slots[:, None, 1:].expand(B, N, N), tree.ancestor_mask())  # node i sees its ancestors
+    mask[:, 1:] |= tree_cols[:, :N]
+    depth = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), tree.depth], 1)
+    rope = (base[:, None] + depth).clamp(max=target.rope.shape[0] - 1)
+    x = target.embed_tokens(_dup(torch.cat([root[:, None], tree.tokens], 1), use_cfg))
+    return target(x, _dup(slots, use_cfg), mask=_dup(mask, use_cfg), rope_pos=_dup(rope, use_cfg), taps=taps)
 
 
 def _draft_tree(drafter, root_logp, root_hidden, n, spec: SpecConfig, C, use_cfg, sampling, max_pos, dynamic_tree):
@@ -313,3 +321,63 @@ def _draft_chain(drafter, root_logp, root_hidden, n, depth, C, use_cfg, sampling
         qs.append(logp.exp())
     qs += [torch.zeros_like(qs[0])] * (depth + 1 - len(qs))
     return chain(torch.stack(toks, 1), torch.stack(scores, 1), torch.stack(qs, 1))
+
+
+@torch.no_grad()
+def jacobi_generate(target: Transformer, cond: Tensor, sampling: SamplingConfig, verifier: str = "sjd",
+                    window: int = 16, generator: Optional[torch.Generator] = None, num_tokens: Optional[int] = None,
+                    cond_mask: Optional[Tensor] = None, geometry=None, options: Optional[dict] = None):
+    """Drafter-free speculative decoding (SJD; GSD with verifier="gsd"): a window of `window` draft tokens (new
+    positions start uniformly random) is refined by the target itself. Each iteration feeds [last token, drafts]
+    in one forward; drafts are verified against the distributions they were drawn from; the drafts after the
+    first rejection are re-drawn from this iteration's distributions (Jacobi), and the window is refilled.
+    Returns (tokens (B, T), {"forwards", "rounds", "tau", "accept_lengths"})."""
+    from lisa import verify
+    from lisa.sampling import logits_to_probs
+    from lisa.tree import chain
+
+    cfg = target.config
+    T = num_tokens or cfg.block_size
+    use_cfg, dev = sampling.use_cfg, cond.device
+    B, C, V, L = cond.shape[0], cfg.cls_token_num, cfg.vocab_size, window
+    fn = verify.get_verifier(verifier)
+    target.setup_caches((2 if use_cfg else 1) * B, C + T + L + 2)
+    key_mask = prefix_key_mask(target, cond_mask, use_cfg)
+    ar = torch.arange(B, device=dev)
+
+    def probs_of(logits):
+        g = guided(logits, sampling)
+        return g, logits_to_probs(g, sampling.temperature, sampling.top_k, sampling.top_p)
+
+    tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
+    tokens[:, 0] = prefill(target, prefix_embeddings(target, cond, use_cfg), sampling, generator, key_mask)
+    n = torch.ones(B, dtype=torch.long, device=dev)
+    q = torch.full((B, L, V), 1.0 / V, device=dev)  # what each draft was drawn from
+    drafts = sample_from(q, generator)
+    forwards, accepted, rounds = 1, [], 0
+    while bool((n < T).any()):
+        rounds += 1
+        live = n < T
+        base = (C + n - 1).clamp(max=target.cache_length - L - 2)
+        tree = chain(drafts, q=torch.cat([q, q[:, -1:]], 1))
+        out = tree_forward(target, tokens[ar, n - 1], tree, base, key_mask, use_cfg)
+        forwards += 1
+        g_logits, p = probs_of(out.logits)  # (B, L + 1, V): row i = distribution of draft i's position
+        v = fn(verify.VerifyContext(p, tree, logits=g_logits, sampled_siblings=True, geometry=geometry,
+                                    options=options), generator)
+        m = v.n_accepted
+        for i in range(L + 1):  # accepted drafts are already at their sequence slots (a chain): just record them
+            write = live & (i <= m) & (n + i < T)
+            tok = torch.where(i < m, drafts[:, min(i, L - 1)], v.next_token)
+            tokens[ar[write], (n + i)[write]] = tok[write]
+        accepted.append(torch.where(live, torch.minimum(m + 1, T - n), torch.zeros_like(m)))
+        # Jacobi update: positions after the emitted ones keep being refined from this iteration's distributions
+        shift = m + 1  # drafts consumed (accepted + the rejected / bonus position)
+        idx = (shift[:, None] + torch.arange(L, device=dev)).clamp(max=L)  # rows of p for the new window
+        fresh = (shift[:, None] + torch.arange(L, device=dev)) > L  # beyond this iteration's rows: uniform
+        q = torch.where(fresh[..., None], torch.full_like(q, 1.0 / V), p.gather(1, idx[..., None].expand(-1, -1, V)))
+        drafts = sample_from(q, generator)
+        n = torch.where(live, (n + m + 1).clamp(max=T), n)
+    acc = torch.stack(accepted)
+    return tokens, {"forwards": forwards, "rounds": rounds, "tau": float(acc[acc > 0].float().mean()),
+                    "accept_lengths": acc.T.tolist()}

@@ -9,7 +9,6 @@ On held-out (condition, tokens) pairs, teacher-forced, with CFG and temperature 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from lisa.sampling import cfg_logits
 from lisa.verify import neighbour_table  # noqa: F401  (re-exported: the premise measures the same table)

@@ -241,3 +241,57 @@ def lantern(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
         return acc, _normalise(r.masked_fill(drop, 0.0))
 
     return walk(ctx, generator, accept)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Drafter-free baselines on a chain of Jacobi drafts (lisa.generate.jacobi_generate): tree.q[:, i] is the
+# distribution draft i was sampled from (the target's own, one iteration earlier; uniform for fresh positions).
+
+
+@register("sjd")
+def sjd(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
+    """Speculative Jacobi decoding: accept draft x if u < min(1, p_t(x) / p_{t-1}(x)); the first rejection
+    resamples from norm(max(0, p_t - p_{t-1})) (the recursive rejection rule on a chain)."""
+    if ctx.tree.q is None:
+        raise ValueError("sjd needs the distributions the drafts were sampled from (tree.q)")
+    return exact(VerifyContext(ctx.p, ctx.tree, ctx.logits, True, ctx.geometry, ctx.options), generator)
+
+
+def gsd_groups(r: Tensor, tok: Tensor, embeddings: Tensor, rank_window: int, prob_gap: float,
+               dist: float) -> Tensor:
+    """(B, V) bool: GSD's group of each draft token: the tokens within +-rank_window ranks of it in the sorted
+    target distribution whose probability differs by < prob_gap and whose squared L2 embedding distance is
+    < dist (the token itself included)."""
+    B, V = r.shape
+    order = r.argsort(-1, descending=True)  # (B, V)
+    rank = order.argsort(-1)  # (B, V): rank of each token
+    pos = rank.gather(1, tok[:, None])  # (B, 1)
+    window = (pos + torch.arange(-rank_window, rank_window + 1, device=r.device)[None]).clamp(0, V - 1)
+    cand = order.gather(1, window)  # (B, 2w+1)
+    r_tok = r.gather(1, tok[:, None])
+    close_p = (r.gather(1, cand) - r_tok).abs() < prob_gap
+    e = embeddings.float()
+    close_e = ((e[cand] - e[tok][:, None]) ** 2).sum(-1) < dist
+    group = torch.zeros(B, V, dtype=torch.bool, device=r.device)
+    group.scatter_(1, cand, close_p & close_e)
+    return group.scatter(1, tok[:, None], True)
+
+
+@register("gsd")
+def gsd(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
+    """Grouped speculative decoding on Jacobi drafts: accept x if u < min(1, p(G(x)) / q(G(x))); on rejection
+    the SJD residual norm(max(0, p - q)). Options: rank_window (7), prob_gap (0.15), dist (0.5); the embeddings
+    are the geometry's codebook."""
+    if ctx.tree.q is None or ctx.geometry is None or ctx.geometry.codebook is None:
+        raise ValueError("gsd needs tree.q (Jacobi drafts) and the codebook (VerifyContext.geometry)")
+    opts = ctx.options or {}
+    w, gap, dist = int(opts.get("rank_window", 7)), float(opts.get("prob_gap", 0.15)), float(opts.get("dist", 0.5))
+    emb = ctx.geometry.codebook
+
+    def accept(r, tok, q_parent, u, row, ctx):
+        r = _normalise(r)
+        g = gsd_groups(r, tok, emb, w, gap, dist)
+        p_g, q_g = (r * g).sum(-1), (q_parent * g).sum(-1)
+        return u * q_g < p_g, _normalise((r - q_parent).clamp(min=0))
+
+    return walk(ctx, generator, accept)

@@ -54,14 +54,60 @@ def test_sampling_runs_and_is_reproducible():
     assert torch.equal(a, b) and a.shape == (2, 16) and int(a.max()) < 16
 
 
-def test_exact_speculative_sampling_matches_the_target_joint():
-    """End to end: 3-token sequences from the loop (tree drafts, exact verification, CFG, top-k) follow the
-    target's joint distribution, computed exactly by enumerating every prefix (chi-square over 4^3 cells)."""
-    from scipy.stats import chisquare
+@pytest.mark.parametrize("verifier", ["sjd", "gsd"])
+def test_jacobi_greedy_equals_vanilla(verifier):
+    from lisa.generate import jacobi_generate
+    from lisa.verify import Geometry
 
+    target = micro_gpt(vocab_size=8)
+    greedy = SamplingConfig(temperature=0.0, cfg_scale=2.0)
+    cond = torch.tensor([1, 4, 9])
+    ref, _ = generate(target, cond, greedy)
+    geo = Geometry.from_codebook(torch.randn(8, 4), k=4)
+    out, stats = jacobi_generate(target, cond, greedy, verifier, window=5, geometry=geo)
+    assert torch.equal(out, ref) and sum(stats["accept_lengths"][0]) == 15
+
+
+def target_joint(target, s, V, cls=5):
+    """The exact distribution of 3-token sequences under the target with sampling config s."""
     from lisa.generate import guided
     from lisa.sampling import logits_to_probs
 
+    seqs = torch.cartesian_prod(torch.arange(V), torch.arange(V), torch.arange(V))
+    with torch.no_grad():
+        c = torch.full((len(seqs),), cls)
+        drop = torch.cat([torch.zeros(len(seqs), dtype=torch.bool), torch.ones(len(seqs), dtype=torch.bool)])
+        both = target.teacher_forced(torch.cat([c, c]), torch.cat([seqs, seqs]), drop=drop)
+        p = logits_to_probs(guided(both.logits, s), s.temperature, s.top_k, s.top_p)
+    return p.gather(2, seqs[..., None]).squeeze(-1).prod(-1).double()
+
+
+def assert_follows(out, joint, V):
+    from scipy.stats import chisquare
+
+    counts = torch.bincount(out[:, 0] * V * V + out[:, 1] * V + out[:, 2], minlength=V**3).double()
+    keep = joint > 0
+    assert counts[~keep].sum() == 0  # nothing outside top-k is ever emitted
+    expected = joint[keep] / joint[keep].sum() * counts[keep].sum()
+    assert chisquare(counts[keep].numpy(), expected.numpy()).pvalue > 1e-3
+
+
+def test_sjd_sampling_matches_the_target_joint():
+    from lisa.generate import jacobi_generate
+
+    torch.manual_seed(1)
+    V, B = 4, 30_000
+    target = micro_gpt(vocab_size=V)
+    s = SamplingConfig(temperature=1.0, top_k=3, cfg_scale=2.0)
+    out, stats = jacobi_generate(target, torch.full((B,), 5), s, "sjd", window=3,
+                                 generator=torch.Generator().manual_seed(0), num_tokens=3)
+    assert stats["tau"] > 1.0
+    assert_follows(out, target_joint(target, s, V), V)
+
+
+def test_exact_speculative_sampling_matches_the_target_joint():
+    """End to end: 3-token sequences from the loop (tree drafts, exact verification, CFG, top-k) follow the
+    target's joint distribution, computed exactly by enumerating every prefix (chi-square over 4^3 cells)."""
     torch.manual_seed(1)
     V, B = 4, 30_000
     target = micro_gpt(vocab_size=V)
@@ -71,16 +117,4 @@ def test_exact_speculative_sampling_matches_the_target_joint():
     spec = SpecConfig(verifier="exact", depth=2, top_k=2, total_tokens=4)
     out, stats = speculative_generate(target, drafter, cond, s, spec, torch.Generator().manual_seed(0), num_tokens=3)
     assert stats["tau"] > 1.0
-    # the exact joint: p(x0) p(x1 | x0) p(x2 | x0, x1) under the same CFG / top-k processing
-    seqs = torch.cartesian_prod(torch.arange(V), torch.arange(V), torch.arange(V))  # (64, 3)
-    with torch.no_grad():
-        c = torch.full((len(seqs),), 5)
-        both = target.teacher_forced(torch.cat([c, c]), torch.cat([seqs, seqs]),
-                                     drop=torch.cat([torch.zeros(64, dtype=torch.bool), torch.ones(64, dtype=torch.bool)]))
-        p = logits_to_probs(guided(both.logits, s), s.temperature, s.top_k, s.top_p)  # (64, 3, V)
-    joint = p.gather(2, seqs[..., None]).squeeze(-1).prod(-1).double()  # (64,)
-    counts = torch.bincount(out[:, 0] * V * V + out[:, 1] * V + out[:, 2], minlength=V**3).double()
-    keep = joint > 0
-    assert counts[~keep].sum() == 0  # nothing outside top-k is ever emitted
-    expected = joint[keep] / joint[keep].sum() * counts[keep].sum()
-    assert chisquare(counts[keep].numpy(), expected.numpy()).pvalue > 1e-3
+    assert_follows(out, target_joint(target, s, V), V)
