@@ -67,13 +67,19 @@ def cmd_train_target(a):
 
 
 def cmd_sample(a):
-    from lisa.stages import TARGET_FILE, TOKENIZER_FILE, layout, sample
+    from lisa.stages import DRAFTER_FILE, TARGET_FILE, TOKENIZER_FILE, layout, sample
 
     p = load_params(a.params)
     where = layout(a.world)
     target = a.target or where["target"] / TARGET_FILE
     tokenizer = a.tokenizer or where["tokenizer"] / TOKENIZER_FILE
-    return sample(target, tokenizer, p.world(a.world), p.sample, a.out or where["samples"])
+    params = p.sample
+    if a.method:
+        import dataclasses
+
+        params = dataclasses.replace(params, method=a.method)
+    drafter = a.drafter or where["drafter"] / DRAFTER_FILE
+    return sample(target, tokenizer, p.world(a.world), params, a.out or where["samples"], drafter)
 
 
 def cmd_premise(a):
@@ -174,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = stage("sample", cmd_sample, "vanilla sampling: a grid, one row per class or prompt -> reports/samples/<world>/")
     s.add_argument("--target", default=None, help="target .safetensors (default: data/target/<world>/...)")
     s.add_argument("--tokenizer", default=None, help="tokenizer .safetensors (default: data/tokenizer/<world>/...)")
+    s.add_argument("--method", default=None, help="vanilla (default: params sample.method), or a verifier: "
+                   "greedy, exact, lantern (with a drafter), sjd, gsd")
+    s.add_argument("--drafter", default=None, help="drafter .safetensors (default: data/drafter/<world>/...)")
     stage("premise", cmd_premise, "LISA's premise on held-out data: entropy, top-1 prob, codebook-neighbourhood "
           "mass -> reports/premise/<world>.json")
     stage("fid-reference", cmd_fid_reference, "held-out Inception features and reference FID / KID (train, VQ "

@@ -108,6 +108,15 @@ class SampleParams:
     top_p: float = 1.0
     cfg_scale: float = 4.0
     seed: int = 0
+    # decoding method: vanilla, or a verifier name (greedy, exact, lantern with a drafter; sjd, gsd drafter-free)
+    method: str = "vanilla"
+    tree: str = "dynamic"  # speculative: dynamic | chain
+    depth: int = 4
+    top_k_draft: int = 4  # children per expanded node (dynamic tree)
+    total_tokens: int = 16  # draft nodes kept (dynamic tree)
+    window: int = 16  # sjd / gsd draft window
+    neighbours: int = 32  # geometry: nearest codes kept per code (lantern, gsd)
+    options: dict[str, float] = Field(default_factory=dict)  # verifier knobs: lantern k / delta, gsd ...
 
 
 @dataclass(config=STRICT)

@@ -199,8 +199,9 @@ def train_target(codes_path: str | Path, world: WorldParams, p: TrainTargetParam
 
 
 def sample(target_path: str | Path, tokenizer_path: str | Path, world: WorldParams, p: SampleParams,
-           out_dir: str | Path) -> dict:
-    """Vanilla sampling, `per_class` images per grid row: one row per class (c2i) or per prompt (t2i)."""
+           out_dir: str | Path, drafter_path: Optional[str | Path] = None) -> dict:
+    """Sampling, `per_class` images per grid row: one row per class (c2i) or per prompt (t2i); with
+    `p.method` vanilla, or speculative (a verifier name; greedy / exact / lantern need `drafter_path`)."""
     model, target_meta = load_target(target_path)
     vq, vq_meta = load_tokenizer(tokenizer_path)
     cfg = model.config
@@ -223,8 +224,11 @@ def sample(target_path: str | Path, tokenizer_path: str | Path, world: WorldPara
     gen = torch.Generator().manual_seed(p.seed)
     tokens, images, decode_s = [], [], 0.0
     t0 = time.perf_counter()
-    for batch in tqdm(cond.split(p.batch_size), desc="sample", unit="batch"):
-        tok, _ = generate(model, batch, sampling, gen)
+    decode = _decoder(model, vq, target_meta, p, drafter_path)
+    taus = []
+    for batch in tqdm(cond.split(p.batch_size), desc=f"sample ({p.method})", unit="batch"):
+        tok, stats = decode(batch, sampling, gen)
+        taus.append(stats.get("tau", 1.0))
         t1 = time.perf_counter()
         with torch.inference_mode():
             images.append(vq.decode(tok))
@@ -243,11 +247,35 @@ def sample(target_path: str | Path, tokenizer_path: str | Path, world: WorldPara
         "decode_loop_s": total_s - decode_s,
         "vq_decode_s": decode_s,
         "s_per_image": (total_s - decode_s) / len(cond),
+        "method": p.method,
+        "tau": sum(taus) / len(taus),
         "target_sha256": target_meta["sha256"],
         "tokenizer_sha256": vq_meta["sha256"],
     }
     write_json(out / "metrics.json", metrics)
     return metrics
+
+
+def _decoder(model, vq, target_meta: dict, p: SampleParams, drafter_path):
+    """(cond, sampling, generator) -> (tokens, stats) for the method p.method."""
+    from lisa.generate import SpecConfig, jacobi_generate, speculative_generate
+    from lisa.verify import VERIFIERS, Geometry
+
+    if p.method == "vanilla":
+        return lambda c, s, g: generate(model, c, s, g)
+    if p.method not in VERIFIERS:
+        raise ValueError(f"sample.method {p.method!r}: not 'vanilla' nor a verifier {sorted(VERIFIERS)}")
+    geometry = Geometry.from_codebook(vq.codebook(), p.neighbours)
+    if p.method in ("sjd", "gsd"):
+        return lambda c, s, g: jacobi_generate(model, c, s, p.method, p.window, g, geometry=geometry,
+                                               options=p.options)
+    if drafter_path is None or not Path(drafter_path).is_file():
+        raise FileNotFoundError(f"sample.method {p.method!r} needs a drafter: {drafter_path} not found "
+                                "(`lisa train-drafter`)")
+    drafter, _ = load_drafter(drafter_path, target_meta)
+    spec = SpecConfig(p.method, p.tree, p.depth, p.top_k_draft, p.total_tokens)
+    return lambda c, s, g: speculative_generate(model, drafter, c, s, spec, g, geometry=geometry,
+                                                options=p.options)
 
 
 def premise(target_path: str | Path, tokenizer_path: str | Path, codes_path: str | Path, p: PremiseParams,

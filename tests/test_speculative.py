@@ -118,3 +118,34 @@ def test_exact_speculative_sampling_matches_the_target_joint():
     out, stats = speculative_generate(target, drafter, cond, s, spec, torch.Generator().manual_seed(0), num_tokens=3)
     assert stats["tau"] > 1.0
     assert_follows(out, target_joint(target, s, V), V)
+
+
+def test_sample_stage_takes_a_method(tmp_path):
+    """`lisa sample --method exact|sjd`: a grid made with speculative decoding, tau and time in its metrics."""
+    import dataclasses
+
+    import yaml
+
+    from lisa import stages
+    from lisa.checkpoint import save_artifact
+    from lisa.config import parse_params, profile_text
+    from lisa.drafter_train import new_drafter
+    from lisa.load import load_target
+
+    p = parse_params(yaml.safe_load(profile_text("micro")))
+    world = p.world("fashion-c2i")
+    where = stages.layout("fashion-c2i", tmp_path)
+    stages.init_tokenizer(world, p.init_tokenizer, where["tokenizer"])
+    stages.init_target(world, p.init_target, where["target"])
+    target, meta = load_target(where["target"] / stages.TARGET_FILE)
+    d = new_drafter(target)
+    save_artifact(d, where["drafter"] / stages.DRAFTER_FILE, "drafter", d.config,
+                  made_from={"target_sha256": meta["sha256"]})
+    for method in ("exact", "sjd", "lantern"):
+        params = dataclasses.replace(p.sample, method=method)
+        m = stages.sample(where["target"] / stages.TARGET_FILE, where["tokenizer"] / stages.TOKENIZER_FILE, world,
+                          params, tmp_path / method, where["drafter"] / stages.DRAFTER_FILE)
+        assert m["method"] == method and m["tau"] >= 1.0 and (tmp_path / method / "grid.png").is_file()
+    with pytest.raises(ValueError, match="not 'vanilla' nor a verifier"):
+        stages.sample(where["target"] / stages.TARGET_FILE, where["tokenizer"] / stages.TOKENIZER_FILE, world,
+                      dataclasses.replace(p.sample, method="magic"), tmp_path / "x")
