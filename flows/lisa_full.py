@@ -27,7 +27,6 @@ def lisa_full(params_path: str = "params.yaml", root: str = ".") -> dict:
             m["fid_reference"] = t.fid_reference(params_path, name, root)
             m["judge"] = t.train_judge(params_path, name, root)
             m["evaluate"] = t.evaluate(params_path, name, root)
-            m["drafter"] = t.train_drafter(params_path, name, root)
         else:
             m["tokenizer"] = t.init_tokenizer(params_path, name, root)
             m["target"] = t.init_target(params_path, name, root)
