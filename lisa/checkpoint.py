@@ -140,10 +140,14 @@ def sidecar_path(weights: str | os.PathLike) -> Path:
 
 
 def save_artifact(model: nn.Module, path: str | os.PathLike, kind: str, config, step: int = 0,
-                  seed: Optional[int] = None, made_from: Optional[dict] = None, extra: Optional[dict] = None) -> dict:
-    """Write `path` (.safetensors) and its JSON sidecar atomically; returns the sidecar dict."""
+                  seed: Optional[int] = None, made_from: Optional[dict] = None, extra: Optional[dict] = None,
+                  store_dtype: Optional[torch.dtype] = None) -> dict:
+    """Write `path` (.safetensors) and its JSON sidecar atomically; returns the sidecar dict. `store_dtype`
+    (e.g. torch.float16) stores floating tensors smaller; loading casts them back into the model's dtype."""
     path = Path(path)
     tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    if store_dtype is not None:
+        tensors = {k: v.to(store_dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     atomic_write(path, lambda tmp: save_file(tensors, tmp))
     meta = {
         "kind": kind,
@@ -152,6 +156,7 @@ def save_artifact(model: nn.Module, path: str | os.PathLike, kind: str, config, 
         "seed": seed,
         "sha256": file_sha256(path),
         "made_from": made_from or {},
+        **({"stored_dtype": str(store_dtype).removeprefix("torch.")} if store_dtype is not None else {}),
         **(extra or {}),
     }
     write_json(sidecar_path(path), meta)

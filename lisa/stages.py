@@ -373,6 +373,10 @@ def train_judge(dataset_dir: str | Path, world: WorldParams, p: TrainJudgeParams
     captions = {s: list(ds[s]["caption"]) for s in ("train", "test")}
     metrics = judges.train_judge(model, data.to_model_range(train_u8), labels["train"], captions["train"], p,
                                  work_dir)
+    with torch.no_grad():  # the judge is stored in fp16 (the CLIP's BPE embedding is most of it): measure that one
+        for t in model.state_dict().values():
+            if t.is_floating_point():
+                t.copy_(t.half().float())
     test_x = data.to_model_range(test_u8)
     if kind == "classifier":
         metrics["heldout_accuracy"] = judges.class_consistency(model, test_x, labels["test"])
@@ -383,7 +387,8 @@ def train_judge(dataset_dir: str | Path, world: WorldParams, p: TrainJudgeParams
         shuffled = [captions["test"][i] for i in torch.randperm(len(test_u8), generator=gen).tolist()]
         metrics["heldout_clip_score_mismatched"] = judges.clip_scores(model, test_x, shuffled).mean().item()
     meta = save_artifact(model, Path(out_dir) / JUDGE_FILE, "judge", config, step=p.steps, seed=p.seed,
-                         made_from={"dataset": str(dataset_dir)}, extra={"metrics": metrics, "classes": classes})
+                         made_from={"dataset": str(dataset_dir)}, extra={"metrics": metrics, "classes": classes},
+                         store_dtype=torch.float16)
     write_json(report, metrics | {"kind": kind})
     return metrics | {"sha256": meta["sha256"]}
 
@@ -448,10 +453,16 @@ def evaluate(target_path: str | Path, tokenizer_path: str | Path, codes_path: st
     sampling = SamplingConfig(p.temperature, p.top_k, p.top_p, p.cfg_scale)
     recipe = json.dumps([target_meta["sha256"], vq_meta["sha256"], asdict(p)], sort_keys=True)
     work = Path(work_dir) / ("samples-" + hashlib.sha256(recipe.encode()).hexdigest()[:12])
-    t0 = time.perf_counter()
-    tokens = quality.cached(work / "tokens.safetensors", "tokens",
-                            lambda: quality.generate_samples(model, conds, sampling, p.batch_size, p.seed))
-    sample_s = time.perf_counter() - t0
+    timing = work / "tokens.json"  # the sampling time of the cached tokens, kept with them
+
+    def make_tokens():
+        t0 = time.perf_counter()
+        tokens = quality.generate_samples(model, conds, sampling, p.batch_size, p.seed)
+        write_json(timing, {"sample_s": time.perf_counter() - t0, "threads": torch.get_num_threads()})
+        return tokens
+
+    tokens = quality.cached(work / "tokens.safetensors", "tokens", make_tokens)
+    sample_s = json.loads(timing.read_text())["sample_s"] if timing.is_file() else None
     images = quality.decode_tokens(vq, tokens)
     feats = quality.cached(work / "features.safetensors", "features",
                            lambda: fid.features(images, q.inception_batch))

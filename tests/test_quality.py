@@ -132,8 +132,13 @@ def test_judge_artifact_roundtrip(tmp_path):
 
     config = judges.JudgeConfig("clip", image_size=16, width=32, layers=1, embed_dim=16)
     model = judges.build(config)
-    save_artifact(model, tmp_path / "judge.safetensors", "judge", config)
+    save_artifact(model, tmp_path / "judge.safetensors", "judge", config, store_dtype=torch.float16)
     back, meta = load_judge(tmp_path / "judge.safetensors")
+    assert meta["stored_dtype"] == "float16" and back.clip.logit_scale.dtype == torch.float32
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            if t.is_floating_point():
+                t.copy_(t.half().float())
     x = torch.rand(2, 3, 16, 16)
     torch.testing.assert_close(back.encode_image(x), model.eval().encode_image(x))
     with pytest.raises(ValueError, match="unknown judge kind"):
