@@ -98,16 +98,21 @@ class InitTokenizerParams:
 
 
 @dataclass(config=STRICT)
-class SampleParams:
-    classes: list[int] = Field(default_factory=lambda: list(range(10)))  # c2i: one grid row per class
-    prompts: list[str] = Field(default_factory=list)  # t2i: one grid row per caption
-    per_class: int = 4
-    batch_size: int = 8
+class SamplingParams:
+    """What every sampling stage shares (lisa.sampling.SamplingConfig, plus a seed)."""
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     cfg_scale: float = 4.0
     seed: int = 0
+
+
+@dataclass(config=STRICT)
+class SampleParams(SamplingParams):
+    classes: list[int] = Field(default_factory=lambda: list(range(10)))  # c2i: one grid row per class
+    prompts: list[str] = Field(default_factory=list)  # t2i: one grid row per caption
+    per_class: int = 4
+    batch_size: int = 8
     # decoding method: vanilla, or a verifier name (greedy, exact, lantern with a drafter; sjd, gsd drafter-free)
     method: str = "vanilla"
     tree: str = "dynamic"  # speculative: dynamic | chain
@@ -160,15 +165,10 @@ class QualityParams:
 
 
 @dataclass(config=STRICT)
-class EvaluateParams:
+class EvaluateParams(SamplingParams):
     """Vanilla CFG samples scored by FID / KID against held-out images and by the world's judge."""
     num_samples: int = 2000
     batch_size: int = 250
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    cfg_scale: float = 4.0
-    seed: int = 0
 
 
 @dataclass(config=STRICT)

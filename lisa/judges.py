@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from lisa.config import TrainJudgeParams
+from lisa.models.presets import build_config
 from lisa.train import load_resume, lr_at, save_resume
 
 
@@ -36,10 +37,7 @@ class JudgeConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "JudgeConfig":
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown JudgeConfig fields {sorted(unknown)}")
-        return cls(**d)
+        return build_config(cls, {}, **d)  # an unknown field is a ValueError naming it
 
 
 def _augment(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:

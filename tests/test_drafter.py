@@ -17,7 +17,7 @@ def test_config_matches_target_and_roundtrips():
     c = d.config
     assert (c.dim, c.vocab_size, c.block_size, c.cls_token_num) == (64, 64, 16, 1) and len(c.taps) == 3
     assert DrafterConfig.from_dict(c.to_dict()) == c
-    with pytest.raises(ValueError, match="unknown DrafterConfig fields"):
+    with pytest.raises(ValueError, match="unknown field"):
         DrafterConfig.from_dict({**c.to_dict(), "depth": 3})
     with pytest.raises(ValueError, match="eagle3 fuses three"):
         DrafterConfig.for_target(target.config, taps=[0, 1])

@@ -22,7 +22,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from lisa.models.gpt import (GPTConfig, KVCache, RMSNorm, apply_rope, default_taps, find_multiple, rope_2d_table)
+from lisa.models.gpt import GPTConfig, KVCache, RMSNorm, apply_rope, default_taps, find_multiple, rope_2d_table
+from lisa.models.presets import build_config
 
 
 @dataclass
@@ -81,10 +82,7 @@ class DrafterConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "DrafterConfig":
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown DrafterConfig fields {sorted(unknown)}")
-        return cls(**d)
+        return build_config(cls, {}, **d)  # an unknown field is a ValueError naming it
 
     def to_dict(self) -> dict:
         return asdict(self)
