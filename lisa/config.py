@@ -133,11 +133,10 @@ class PremiseParams:
 
 
 @dataclass(config=STRICT)
-class TrainDrafterParams(TrainParams):
-    """Baseline EAGLE-3 drafter training with the training-time test (lisa/drafter_train.py)."""
+class TrainDrafterParams(TrainTargetParams):
+    """Baseline EAGLE-3 drafter training with the training-time test (lisa/drafter_train.py); cond_drop gives
+    unconditional rows, so the drafter drafts for both halves of a CFG batch."""
     weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    cond_drop: float = 0.1  # unconditional rows, so the drafter drafts for both halves of a CFG batch
     ttt_steps: int = 4  # unrolled drafting steps
     ttt_decay: float = 0.8  # loss weight decay^s of step s
 

@@ -13,7 +13,9 @@ import torch
 from torch import Tensor
 
 from lisa.models.gpt import Transformer
-from lisa.sampling import SamplingConfig, cfg_logits, sample, sample_from
+from lisa import verify
+from lisa.sampling import SamplingConfig, cfg_logits, logits_to_probs, sample, sample_from
+from lisa.tree import chain, dynamic_tree
 
 
 def prefix_embeddings(model: Transformer, cond: Tensor, use_cfg: bool) -> Tensor:
@@ -131,10 +133,6 @@ def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: S
     rows in both models, guidance on both models' logits. Returns (tokens, {"forwards", "rounds", "tau",
     "accept_lengths"}): tau = tokens emitted per target forward after the prefill, bonus token included.
     """
-    from lisa import verify
-    from lisa.sampling import logits_to_probs
-    from lisa.tree import Tree, chain, dynamic_tree
-
     cfg = target.config
     T = num_tokens or cfg.block_size
     if sampling.use_cfg and not cfg.has_null_cond:
@@ -183,11 +181,9 @@ def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: S
         # ---- draft
         root_logp = guided(root_logits, sampling).log_softmax(-1)  # (B, V): scores use the raw guided drafter
         if spec.tree == "chain":
-            tree = _draft_chain(drafter, root_logp, root_hidden, n, spec.depth, C, use_cfg, sampling, d_junk,
-                                max_pos, chain)
+            tree = _draft_chain(drafter, root_logp, root_hidden, n, spec.depth, C, use_cfg, sampling, max_pos)
         else:
-            tree = _draft_tree(drafter, root_logp, root_hidden, n, spec, C, use_cfg, sampling, max_pos,
-                               dynamic_tree)
+            tree = _draft_tree(drafter, root_logp, root_hidden, n, spec, C, use_cfg, sampling, max_pos)
         # ---- verify: one target forward over root + tree, per-row slots and tree mask
         out = tree_forward(target, tokens[ar, n - 1], tree, base, key_mask, use_cfg, taps)
         forwards += 1
@@ -221,8 +217,7 @@ def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: S
         dslots = torch.where(ok, (n[:, None] + torch.arange(M + 1, device=dev)).clamp(max=d_junk - 1),
                              torch.full_like(rows_h, d_junk))
         dmask = torch.arange(Ld, device=dev)[None, None, :] <= dslots[:, :, None]  # causal over own slots
-        dmask &= ok[:, :, None] | (torch.arange(Ld, device=dev)[None, None, :] == d_junk)
-        dmask[:, :, d_junk] |= ~ok  # padding rows see only the junk slot
+        dmask &= ok[:, :, None] | (torch.arange(Ld, device=dev)[None, None, :] == d_junk)  # padding: junk only
         drope = (C + n[:, None] + torch.arange(M + 1, device=dev)).clamp(max=max_pos)
         d = drafter(_dup(new, use_cfg), feats, input_pos=_dup(dslots, use_cfg), mask=_dup(dmask, use_cfg),
                     rope_pos=_dup(drope, use_cfg))
@@ -258,7 +253,7 @@ def tree_forward(target: Transformer, root: Tensor, tree, base: Tensor, key_mask
     return target(x, _dup(slots, use_cfg), mask=_dup(mask, use_cfg), rope_pos=_dup(rope, use_cfg), taps=taps)
 
 
-def _draft_tree(drafter, root_logp, root_hidden, n, spec: SpecConfig, C, use_cfg, sampling, max_pos, dynamic_tree):
+def _draft_tree(drafter, root_logp, root_hidden, n, spec: SpecConfig, C, use_cfg, sampling, max_pos):
     """EAGLE-2/3 dynamic tree: expansions are drafter pairs written after the committed ones (slot n + level*k + i)
     that see the committed pairs and their own ancestors' pairs."""
     B = root_logp.shape[0]
@@ -297,7 +292,7 @@ def _draft_tree(drafter, root_logp, root_hidden, n, spec: SpecConfig, C, use_cfg
     return dynamic_tree(root_logp, expand, spec.depth, spec.top_k, spec.total_tokens)
 
 
-def _draft_chain(drafter, root_logp, root_hidden, n, depth, C, use_cfg, sampling, d_junk, max_pos, chain):
+def _draft_chain(drafter, root_logp, root_hidden, n, depth, C, use_cfg, sampling, max_pos):
     """A chain: the drafter's argmax, `depth` times (pairs at slots n, n+1, ...)."""
     B, dev = root_logp.shape[0], root_logp.device
     Ld = drafter.cache_length
@@ -332,10 +327,6 @@ def jacobi_generate(target: Transformer, cond: Tensor, sampling: SamplingConfig,
     in one forward; drafts are verified against the distributions they were drawn from; the drafts after the
     first rejection are re-drawn from this iteration's distributions (Jacobi), and the window is refilled.
     Returns (tokens (B, T), {"forwards", "rounds", "tau", "accept_lengths"})."""
-    from lisa import verify
-    from lisa.sampling import logits_to_probs
-    from lisa.tree import chain
-
     cfg = target.config
     T = num_tokens or cfg.block_size
     use_cfg, dev = sampling.use_cfg, cond.device

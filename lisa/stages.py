@@ -265,7 +265,8 @@ def _decoder(model, vq, target_meta: dict, p: SampleParams, drafter_path):
         return lambda c, s, g: generate(model, c, s, g)
     if p.method not in VERIFIERS:
         raise ValueError(f"sample.method {p.method!r}: not 'vanilla' nor a verifier {sorted(VERIFIERS)}")
-    geometry = Geometry.from_codebook(vq.codebook(), p.neighbours)
+    # the neighbour table is V x V work: only for the verifiers that read it
+    geometry = Geometry.from_codebook(vq.codebook(), p.neighbours) if p.method in ("lantern", "gsd") else None
     if p.method in ("sjd", "gsd"):
         return lambda c, s, g: jacobi_generate(model, c, s, p.method, p.window, g, geometry=geometry,
                                                options=p.options)
