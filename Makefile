@@ -18,7 +18,7 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 
 run: setup
 	$(BIN)/dvc repro
-	@echo "Done: sample grid in reports/samples/*/grid.png, decode speed in reports/bench/vanilla.md"
+	@echo "Done: sample grids in reports/samples/*/grid.png, quality in reports/quality/, speculative decoding in reports/bench/<world>.md"
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -12,7 +12,8 @@ from tasks import stages as t
 @flow(name="lisa-full", log_prints=True)
 def lisa_full(params_path: str = "params.yaml", root: str = ".") -> dict:
     """Run every stage for every world of `params_path`; outputs go under `root` (data/, reports/).
-    Built-in worlds (with a `dataset`) are trained; the others are imported (or randomly initialised)."""
+    Built-in worlds (with a `dataset`) are trained, drafter included, and benchmarked (every decoding method); the
+    others are imported (or randomly initialised)."""
     params_path = str(Path(root) / params_path) if not Path(params_path).is_absolute() else params_path
     worlds = load_params(params_path).worlds
     metrics = {}
@@ -27,6 +28,8 @@ def lisa_full(params_path: str = "params.yaml", root: str = ".") -> dict:
             m["fid_reference"] = t.fid_reference(params_path, name, root)
             m["judge"] = t.train_judge(params_path, name, root)
             m["evaluate"] = t.evaluate(params_path, name, root)
+            m["drafter"] = t.train_drafter(params_path, name, root)
+            m["bench_spec"] = t.bench_spec(params_path, name, root)
         else:
             m["tokenizer"] = t.init_tokenizer(params_path, name, root)
             m["target"] = t.init_target(params_path, name, root)

@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Optional
+from dataclasses import replace
+from typing import Callable, Optional
 
 import torch
 from tqdm import tqdm
 
-from lisa.generate import generate, prefix_embeddings
+from lisa import costmodel
+from lisa.costmodel import sync
+from lisa.generate import SpecConfig, decoder, generate, prefix_embeddings, speculative_generate
 from lisa.models.gpt import Transformer
 from lisa.sampling import SamplingConfig
-
-
-def _sync(device: torch.device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @torch.inference_mode()
@@ -53,13 +51,13 @@ def bench_vanilla(model: Transformer, num_tokens: int, batch_size: int, cfg_scal
     runs = [(r, s) for r in range(warmup + repeats) for s in cfg_scales]
     for r, scale in tqdm(runs, desc="bench vanilla", unit="run"):
         sampling = SamplingConfig(temperature=1.0, cfg_scale=scale)
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         tokens, _ = generate(model, cond, sampling, gen, num_tokens=num_tokens)
-        _sync(device)
+        sync(device)
         t1 = time.perf_counter()
         bare_forwards(model, cond, tokens, sampling.use_cfg)
-        _sync(device)
+        sync(device)
         t2 = time.perf_counter()
         if r >= warmup:
             times[scale]["loop"].append(t1 - t0)
@@ -91,4 +89,277 @@ def markdown_table(rows: list[dict], title: str) -> str:
         lines.append(f"| {r['cfg_scale']:g} | {r['batch_size']} | {r['rows_in_forward']} | {r['num_tokens']} | "
                      f"{r['loop_s']:.3f} | {r['bare_forwards_s']:.3f} | {r['tokens_per_s']:.1f} | "
                      f"{r['ms_per_token_step']:.2f} | {100 * r['loop_overhead']:+.1f}% |")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Speculative decoding benchmark: every method on the same conditions and seeds, in one run.
+
+
+class ForwardTimer:
+    """Wall time and call count of a module's forwards (pre/post hooks; CUDA-synchronised): how much of the
+    decode loop is spent inside the target or the drafter."""
+
+    def __init__(self, module: torch.nn.Module, device: torch.device):
+        self.seconds, self.calls, self._t0, self.device = 0.0, 0, 0.0, device
+        self._handles = [module.register_forward_pre_hook(self._pre), module.register_forward_hook(self._post)]
+
+    def _pre(self, *_):
+        sync(self.device)
+        self._t0 = time.perf_counter()
+
+    def _post(self, *_):
+        sync(self.device)
+        self.seconds += time.perf_counter() - self._t0
+        self.calls += 1
+
+    def reset(self):
+        self.seconds, self.calls = 0.0, 0
+
+    def remove(self):
+        for h in self._handles:
+            h.remove()
+
+
+def forward_size(m) -> int:
+    """New tokens per row in one target forward of this method: 1 (vanilla), root + tree nodes, or last + window."""
+    if m.method == "vanilla":
+        return 1
+    if m.method in ("sjd", "gsd"):
+        return m.window + 1
+    return (m.depth if m.tree == "chain" else m.total_tokens) + 1
+
+
+def bench_speculative(target: Transformer, drafter, conditions: list[dict], methods: list, sampling: SamplingConfig,
+                      repeats: int, warmup: int, seed: int, geometry=None, auto=None,
+                      vq_decode: Optional[Callable] = None, progress: bool = True) -> dict:
+    """Time every method on every condition batch, interleaved (the method order rotates each pass), after
+    `warmup` passes. conditions: dicts {"label", "cond" (b, ...), "cond_mask" or None}; methods: BenchMethod-like
+    (name, method, tree, depth, top_k_draft, total_tokens, window, options). Each (condition, pass) has one seed
+    shared by all methods. A method with tree "auto" is first resolved by the cost model (lisa.costmodel) on the
+    first `auto.calib_conditions` conditions. Returns the report dict (see `speculative_markdown`)."""
+    device = next(target.parameters()).device
+    rows = (2 if sampling.use_cfg else 1) * conditions[0]["cond"].shape[0]
+    T = target.config.block_size
+    choices, picked = {}, {}  # (verifier, knobs) -> costmodel.Choice; method name -> its Choice
+    methods = list(methods)
+    for i, m in enumerate(methods):
+        if m.tree == "auto":
+            key = (m.method, tuple(sorted(m.options.items())), m.top_k_draft)
+            if key not in choices:
+                choices[key] = auto_tree(target, drafter, conditions[: auto.calib_conditions], m, sampling, seed,
+                                         geometry, auto, progress)
+            picked[m.name] = choices[key]
+            methods[i] = replace(m, tree="dynamic", depth=choices[key].depth, total_tokens=choices[key].total_tokens)
+
+    def make(m):
+        spec = None
+        if m.method not in ("vanilla", "sjd", "gsd"):
+            spec = SpecConfig(m.method, m.tree, m.depth, m.top_k_draft, m.total_tokens)
+        return decoder(target, m.method, drafter, spec, m.window, geometry, dict(m.options))
+
+    decoders = {m.name: make(m) for m in methods}
+    timers = {"target": ForwardTimer(target, device)}
+    if drafter is not None:
+        timers["drafter"] = ForwardTimer(drafter, device)
+    runs = {m.name: [] for m in methods}  # per (pass >= warmup, condition): time and stats
+    images = sum(c["cond"].shape[0] for c in conditions)
+    bar = tqdm(total=(warmup + repeats) * len(conditions) * len(methods), desc="bench speculative", unit="run",
+               disable=not progress)
+    try:
+        for r in range(warmup + repeats):
+            order = methods[r % len(methods):] + methods[: r % len(methods)]
+            for ci, c in enumerate(conditions):
+                for m in order:
+                    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + ci * 7919 + r)
+                    for t in timers.values():
+                        t.reset()
+                    sync(device)
+                    t0 = time.perf_counter()
+                    tokens, stats = decoders[m.name](c["cond"], sampling, gen, cond_mask=c.get("cond_mask"))
+                    sync(device)
+                    wall = time.perf_counter() - t0
+                    bar.update()
+                    if r < warmup:
+                        continue
+                    runs[m.name].append({
+                        "pass": r - warmup, "condition": ci, "wall_s": wall, "forwards": stats["forwards"],
+                        "target_s": timers["target"].seconds,
+                        "drafter_s": timers["drafter"].seconds if "drafter" in timers else 0.0,
+                        "accept_lengths": stats.get("accept_lengths", [[1] * (T - 1)] * c["cond"].shape[0]),
+                        "tokens": tokens})
+    finally:
+        bar.close()
+        for t in timers.values():
+            t.remove()
+
+    # bare forwards of each shape, and the VQ decode, timed apart
+    sizes = sorted({forward_size(m) for m in methods})
+    bare = {s: costmodel.time_target_forward(target, rows, s, target.config.cls_token_num + T // 2) for s in sizes}
+    vq_s = None
+    if vq_decode is not None:
+        tok = runs[methods[0].name][0]["tokens"]
+        vq_s = costmodel.median_time(lambda: vq_decode(tok), 3, device) / tok.shape[0]
+
+    report_methods, per_condition = [], []
+    vanilla = next((m.name for m in methods if m.method == "vanilla"), None)
+    ref = {(x["pass"], x["condition"]): x["tokens"] for x in runs[vanilla]} if vanilla else {}
+    for m in methods:
+        rs = runs[m.name]
+        per_pass = [sum(x["wall_s"] for x in rs if x["pass"] == p) for p in range(repeats)]
+        wall = statistics.median(per_pass)
+        forwards = sum(x["forwards"] for x in rs)
+        lengths = [a for x in rs for row in x["accept_lengths"] for a in row if a > 0]
+        hist = {}
+        for a in lengths:
+            hist[a] = hist.get(a, 0) + 1
+        loop_per_forward = sum(x["wall_s"] for x in rs) / forwards
+        target_per_forward = sum(x["target_s"] for x in rs) / forwards
+        s = forward_size(m)
+        report_methods.append({
+            "name": m.name, "method": m.method, "tree": m.tree if m.method not in ("vanilla", "sjd", "gsd") else None,
+            "depth": m.depth, "top_k_draft": m.top_k_draft, "total_tokens": m.total_tokens, "window": m.window,
+            "options": dict(m.options), "auto": picked[m.name].as_dict() if m.name in picked else None,
+            "ms_per_image": 1000 * wall / images,
+            "tau": sum(lengths) / len(lengths),
+            "target_forwards_per_image": forwards / (repeats * images) if m.method != "vanilla" else float(T),
+            "accept_hist": {int(k): v for k, v in sorted(hist.items())},
+            "forward_tokens": s,
+            "loop_ms_per_forward": 1000 * loop_per_forward,
+            "target_ms_per_forward_in_loop": 1000 * target_per_forward,
+            "bare_forward_ms": 1000 * bare[s],
+            "loop_overhead": loop_per_forward / bare[s] - 1.0,
+            "target_share": sum(x["target_s"] for x in rs) / sum(x["wall_s"] for x in rs),
+            "drafter_share": sum(x["drafter_s"] for x in rs) / sum(x["wall_s"] for x in rs),
+            "ms_per_image_all": [1000 * p / images for p in per_pass],
+            # same seed, same condition: the share of images identical to vanilla's (1 under greedy decoding for
+            # every lossless method; at temperature 1 the random streams differ, so only the distribution matches)
+            "same_tokens_as_vanilla": (sum(int((x["tokens"] == ref[x["pass"], x["condition"]]).all(1).sum())
+                                           for x in rs) / (repeats * images)) if ref else None,
+        })
+        for ci, c in enumerate(conditions):
+            xs = [x for x in rs if x["condition"] == ci]
+            ls = [a for x in xs for row in x["accept_lengths"] for a in row if a > 0]
+            per_condition.append({"condition": c["label"], "method": m.name,
+                                  "ms_per_image": 1000 * statistics.median(x["wall_s"] for x in xs) / c["cond"].shape[0],
+                                  "tau": sum(ls) / len(ls)})
+    if vanilla is not None:
+        base = next(x for x in report_methods if x["name"] == vanilla)["ms_per_image"]
+        for x in report_methods:
+            x["speedup"] = base / x["ms_per_image"]
+        vrow = {x["condition"]: x["ms_per_image"] for x in per_condition if x["method"] == vanilla}
+        for x in per_condition:
+            x["speedup"] = vrow[x["condition"]] / x["ms_per_image"]
+    return {"images_per_method_pass": images, "repeats": repeats, "warmup": warmup, "rows_in_forward": rows,
+            "num_tokens": T, "threads": torch.get_num_threads(), "device": str(device),
+            "vq_decode_ms_per_image": 1000 * vq_s if vq_s is not None else None,
+            "bare_forward_ms": {int(s): 1000 * v for s, v in bare.items()},
+            "methods": report_methods, "per_condition": per_condition}
+
+
+def auto_tree(target: Transformer, drafter, conditions: list[dict], m, sampling: SamplingConfig, seed: int,
+              geometry, auto, progress: bool = True):
+    """Resolve tree "auto" for method m: decode `conditions` with vanilla, with the full calibration tree (traced:
+    acceptance) and with a small tree (loop costs), time bare forwards, and pick the (depth, total_tokens) of
+    highest predicted speedup (lisa.costmodel.choose)."""
+    device = next(target.parameters()).device
+    rows = (2 if sampling.use_cfg else 1) * conditions[0]["cond"].shape[0]
+    k, D = m.top_k_draft, auto.max_depth
+    full = k + (D - 1) * k * k  # every node a depth-D dynamic tree drafts
+    small = min(s for s in auto.sizes if s >= 2)
+    specs = [(SpecConfig(m.method, "dynamic", D, k, full), True), (SpecConfig(m.method, "dynamic", 2, k, small), False)]
+    timer_t, timer_d = ForwardTimer(target, device), ForwardTimer(drafter, device)
+    trace, loop_points, vanilla_steps = [], [], []
+    try:
+        for ci, c in enumerate(tqdm(conditions, desc=f"auto tree ({m.method})", unit="cond", disable=not progress)):
+            for r in range(2 if ci == 0 else 1):  # the first condition once more as a warm-up
+                gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + ci)
+                sync(device)
+                t0 = time.perf_counter()
+                generate(target, c["cond"], sampling, gen, cond_mask=c.get("cond_mask"))
+                sync(device)
+                vanilla_steps.append((time.perf_counter() - t0) / target.config.block_size)
+                for spec, traced in specs:
+                    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + ci)
+                    timer_t.reset()
+                    timer_d.reset()
+                    rounds: list = []
+                    t0 = time.perf_counter()
+                    _, stats = speculative_generate(target, drafter, c["cond"], sampling, spec, gen,
+                                                    cond_mask=c.get("cond_mask"), geometry=geometry,
+                                                    options=dict(m.options), trace=rounds if traced else None)
+                    wall = time.perf_counter() - t0
+                    if ci == 0 and r == 0:
+                        continue
+                    loop_points.append((spec.total_tokens, (wall - timer_t.seconds - timer_d.seconds) / stats["rounds"]))
+                    trace += rounds
+            if ci == 0:
+                vanilla_steps = vanilla_steps[1:]
+    finally:
+        timer_t.remove()
+        timer_d.remove()
+    costs = costmodel.measure_costs(target, drafter, rows, auto.sizes + [full], k,
+                                    target.config.cls_token_num + target.config.block_size // 2, auto.reps)
+    costs.vanilla_step_s = statistics.median(vanilla_steps)
+    costs.loop_a_s, costs.loop_b_s = costmodel.fit_loop(loop_points)
+    profile = costmodel.acceptance_profile(trace, D)
+    return costmodel.choose(profile, costs, k, auto.sizes)
+
+
+def speculative_markdown(report: dict, title: str) -> str:
+    """The benchmark as Markdown: the method table, acceptance-length histograms, per-condition rows, auto picks."""
+    ms = report["methods"]
+    lines = [f"## {title}", "",
+             f"{report['images_per_method_pass']} images per method per pass, median of {report['repeats']} passes "
+             f"after {report['warmup']} warm-up, methods interleaved; {report['rows_in_forward']} rows per forward "
+             f"(CFG doubles the batch); {report['threads']} threads on {report['device']}. Times are the decode loop "
+             "only; the VQ decode"
+             + (f" ({report['vq_decode_ms_per_image']:.1f} ms per image)" if report["vq_decode_ms_per_image"] else "")
+             + (f" and the caption encoding ({report['text_encode_ms_per_prompt']:.1f} ms per prompt)"
+                if report.get("text_encode_ms_per_prompt") else "")
+             + " are apart.", "",
+             "| method | verifier | tree | ms / image | speedup | tau | target forwards / image | loop ms / forward "
+             "| bare forward ms (tokens) | loop overhead | in target | in drafter |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for m in ms:
+        if m["method"] in ("sjd", "gsd"):
+            tree = f"window {m['window']}"
+        elif m["tree"] == "chain":
+            tree = f"chain, depth {m['depth']}"
+        elif m["tree"] == "dynamic":
+            tree = f"dynamic, depth {m['depth']}, top-{m['top_k_draft']}, {m['total_tokens']} nodes"
+        else:
+            tree = "-"
+        if m["auto"]:
+            tree += " (auto)"
+        lines.append(f"| {m['name']} | {m['method']} | {tree} | {m['ms_per_image']:.1f} | {m.get('speedup', float('nan')):.2f}x "
+                     f"| {m['tau']:.2f} | {m['target_forwards_per_image']:.1f} | {m['loop_ms_per_forward']:.2f} | "
+                     f"{m['bare_forward_ms']:.2f} ({m['forward_tokens']}) | {100 * m['loop_overhead']:+.0f}% | "
+                     f"{100 * m['target_share']:.0f}% | {100 * m['drafter_share']:.0f}% |")
+    width = max(max(m["accept_hist"]) for m in ms)
+    lines += ["", "Acceptance length per round (tokens emitted per target forward, bonus included): share of rounds",
+              "", "| method | " + " | ".join(str(i) for i in range(1, width + 1)) + " |",
+              "|---|" + "---|" * width]
+    for m in ms:
+        tot = sum(m["accept_hist"].values())
+        lines.append(f"| {m['name']} | " + " | ".join(f"{100 * m['accept_hist'].get(i, 0) / tot:.0f}%"
+                                                      for i in range(1, width + 1)) + " |")
+    names = [m["name"] for m in ms]
+    lines += ["", "Per condition: ms per image (speedup, tau)", "", "| condition | " + " | ".join(names) + " |",
+              "|---|" + "---|" * len(names)]
+    conds = list(dict.fromkeys(x["condition"] for x in report["per_condition"]))
+    cell = {(x["condition"], x["method"]): x for x in report["per_condition"]}
+    for c in conds:
+        lines.append(f"| {c} | " + " | ".join(
+            f"{cell[c, n]['ms_per_image']:.0f} ({cell[c, n].get('speedup', float('nan')):.2f}x, {cell[c, n]['tau']:.2f})"
+            for n in names) + " |")
+    autos = [m for m in ms if m["auto"]]
+    for m in autos:
+        a = m["auto"]
+        lines += ["", f"Auto tree for {m['name']}: {a['why']}. Measured: tau {m['tau']:.2f}, "
+                      f"{m.get('speedup', float('nan')):.2f}x."]
+        top = sorted(a["grid"], key=lambda g: -g["speedup"])[:8]
+        lines += ["", "| depth | total_tokens | predicted tau | round ms | predicted speedup |", "|---|---|---|---|---|"]
+        lines += [f"| {g['depth']} | {g['total_tokens']} | {g['tau']:.2f} | {g['round_ms']:.2f} | {g['speedup']:.2f}x |"
+                  for g in top]
     return "\n".join(lines) + "\n"

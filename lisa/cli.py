@@ -132,9 +132,15 @@ def cmd_train_drafter(a):
 
 
 def cmd_bench(a):
-    from lisa.stages import bench, layout
+    from lisa.stages import DRAFTER_FILE, TARGET_FILE, TOKENIZER_FILE, bench, bench_spec, layout
 
-    return bench(load_params(a.params).bench, a.out or layout("-")["bench"])
+    p = load_params(a.params)
+    if a.world is None:
+        return bench(p.bench, a.out or layout("-")["bench"])
+    where = layout(a.world)
+    return bench_spec(where["target"] / TARGET_FILE, where["tokenizer"] / TOKENIZER_FILE,
+                      a.drafter or where["drafter"] / DRAFTER_FILE, p.world(a.world), p.sample, p.bench_spec,
+                      a.out or where["bench"], a.world)
 
 
 def cmd_profile(a):
@@ -194,8 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--target", default=None, help="target .safetensors (default: data/target/<world>/...)")
     stage("train-drafter", cmd_train_drafter, "train the baseline EAGLE-3 drafter of a world's target (TTT, "
           "resumable) -> data/drafter/<world>/drafter.safetensors, reports/drafter/<world>.json")
-    stage("bench", cmd_bench, "vanilla decode speed of a random-weight target vs its bare forwards "
-          "-> reports/bench/vanilla.{json,md}", world=False)
+    s = stage("bench", cmd_bench, "decode speed. With --world: every method of params bench_spec (vanilla, "
+              "exact tree / chain, lantern, sjd, gsd, auto trees) on the world's target and drafter, same "
+              "conditions and seeds -> reports/bench/<world>.{json,md,png}; without: vanilla loop of a "
+              "random-weight target vs its bare forwards -> reports/bench/vanilla.{json,md}", world=False)
+    s.add_argument("--world", default=None, help="world name: the speculative benchmark of its target")
+    s.add_argument("--drafter", default=None, help="drafter .safetensors (default: data/drafter/<world>/...)")
     p = sub.add_parser("profile", help="print a named params profile (micro) to stdout")
     p.add_argument("name")
     p.set_defaults(fn=cmd_profile)

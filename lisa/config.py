@@ -1,9 +1,9 @@
 """params.yaml -> typed dataclasses, strictly: an unknown or mistyped key is an error naming the key and section.
 
 One section per pipeline stage (`build_dataset`, `train_tokenizer`, `encode`, `train_target`, `init_target`,
-`init_tokenizer`, `sample`, `premise`, `bench`) plus `worlds`: each world is
-one target family with its tokenizer (the stages loop over worlds). Named profiles (`micro` for CI, `toy`, the
-default params.yaml) live in lisa/profiles/. Validation uses pydantic dataclasses with extra keys forbidden.
+`init_tokenizer`, `sample`, `premise`, the training and quality stages, `bench`, `bench_spec`) plus `worlds`:
+each world is one target family with its tokenizer (the stages loop over worlds). Named profiles (`micro` for
+CI, `toy`, the default params.yaml) live in lisa/profiles/. Validation uses pydantic dataclasses with extra keys forbidden.
 """
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ class SampleParams(SamplingParams):
     batch_size: int = 8
     # decoding method: vanilla, or a verifier name (greedy, exact, lantern with a drafter; sjd, gsd drafter-free)
     method: str = "vanilla"
-    tree: str = "dynamic"  # speculative: dynamic | chain
+    tree: str = "dynamic"  # speculative: dynamic | chain | auto (lisa.costmodel picks depth and total_tokens)
     depth: int = 4
     top_k_draft: int = 4  # children per expanded node (dynamic tree)
     total_tokens: int = 16  # draft nodes kept (dynamic tree)
@@ -183,6 +183,42 @@ class BenchParams:
 
 
 @dataclass(config=STRICT)
+class BenchMethod:
+    """One column of the speculative benchmark: a decoding method and its tree / window / knobs."""
+    name: str  # the label in the report
+    method: str = "vanilla"  # vanilla, or a verifier (greedy, exact, lantern with the drafter; sjd, gsd without)
+    tree: str = "dynamic"  # dynamic | chain | auto (lisa.costmodel picks depth and total_tokens on this machine)
+    depth: int = 4
+    top_k_draft: int = 4
+    total_tokens: int = 16
+    window: int = 16  # sjd / gsd
+    options: dict[str, float] = Field(default_factory=dict)  # verifier knobs (lantern k / delta, gsd ...)
+
+
+@dataclass(config=STRICT)
+class AutoTreeParams:
+    """The cost model behind tree: auto (lisa/costmodel.py)."""
+    max_depth: int = 6  # the calibration tree: this depth, every drafted node kept
+    sizes: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64])  # total_tokens tried
+    calib_conditions: int = 4  # conditions decoded to learn acceptance and loop costs
+    reps: int = 5  # timed repetitions of each bare forward
+
+
+@dataclass(config=STRICT)
+class BenchSpecParams(SamplingParams):
+    """Speculative decoding benchmark of a world's target and drafter: every method on the same conditions
+    (sample.classes / sample.prompts) with the same seeds, interleaved after a warm-up."""
+    per_class: int = 1  # seeds per class / prompt
+    batch_size: int = 1
+    repeats: int = 2
+    warmup: int = 1
+    neighbours: int = 32  # geometry table (lantern, gsd)
+    threads: int = 0  # torch threads; 0 = torch's default
+    methods: list[BenchMethod] = Field(default_factory=lambda: [BenchMethod("vanilla")])
+    auto: AutoTreeParams = Field(default_factory=AutoTreeParams)
+
+
+@dataclass(config=STRICT)
 class Params:
     worlds: dict[str, WorldParams]
     build_dataset: BuildDatasetParams = Field(default_factory=BuildDatasetParams)
@@ -198,6 +234,7 @@ class Params:
     quality: QualityParams = Field(default_factory=QualityParams)
     evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
     bench: BenchParams = Field(default_factory=BenchParams)
+    bench_spec: BenchSpecParams = Field(default_factory=BenchSpecParams)
 
     def world(self, name: str) -> WorldParams:
         if name not in self.worlds:

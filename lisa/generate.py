@@ -121,8 +121,8 @@ def _dup(x: Tensor, use_cfg: bool) -> Tensor:
 @torch.no_grad()
 def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: SamplingConfig, spec: SpecConfig,
                          generator: Optional[torch.Generator] = None, num_tokens: Optional[int] = None,
-                         cond_mask: Optional[Tensor] = None, geometry=None,
-                         options: Optional[dict] = None) -> tuple[Tensor, dict]:
+                         cond_mask: Optional[Tensor] = None, geometry=None, options: Optional[dict] = None,
+                         trace: Optional[list] = None) -> tuple[Tensor, dict]:
     """Speculative sampling of image tokens (B, T) with an EAGLE-3 drafter; each row accepts its own length.
 
     Layout. Target cache: condition prefix at slots 0..C-1, image token j at slot C + j once accepted; a round
@@ -132,6 +132,8 @@ def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: S
     RoPE positions are sequence positions (a node at depth d sits d after the root). CFG: cond rows then uncond
     rows in both models, guidance on both models' logits. Returns (tokens, {"forwards", "rounds", "tau",
     "accept_lengths"}): tau = tokens emitted per target forward after the prefill, bonus token included.
+    trace: a list that receives, per round, the draft tree's node scores and depths, the accepted path and its
+    length, and which rows were live (what lisa.costmodel learns acceptance from).
     """
     cfg = target.config
     T = num_tokens or cfg.block_size
@@ -192,6 +194,8 @@ def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: S
                            generator)
         m = verdict.n_accepted  # (B,)
         M = int(m.max())
+        if trace is not None:
+            trace.append({"scores": tree.scores, "depth": tree.depth, "path": verdict.path, "m": m, "live": live})
         # ---- commit: move accepted nodes to their sequence slots in the target cache
         path = verdict.path[:, :M] if M else verdict.path[:, :0]
         valid = torch.arange(M, device=dev)[None] < m[:, None]  # (B, M)
@@ -372,3 +376,27 @@ def jacobi_generate(target: Transformer, cond: Tensor, sampling: SamplingConfig,
     acc = torch.stack(accepted)
     return tokens, {"forwards": forwards, "rounds": rounds, "tau": float(acc[acc > 0].float().mean()),
                     "accept_lengths": acc.T.tolist()}
+
+
+def decoder(target: Transformer, method: str = "vanilla", drafter=None, spec: Optional[SpecConfig] = None,
+            window: int = 16, geometry=None, options: Optional[dict] = None) -> Callable:
+    """The Python API behind `lisa sample --method`: a function (cond, sampling, generator, cond_mask=None) ->
+    (tokens (B, T), stats) decoding with `method`: "vanilla", or a verifier name (greedy / exact / lantern / ...
+    with an EAGLE-3 `drafter` and a `spec` tree; sjd / gsd run drafter-free over a `window`). Relaxed verifiers
+    read `geometry` (lisa.verify.Geometry) and their knobs from `options`. stats holds "forwards" and, for the
+    speculative methods, "tau" and the per-round "accept_lengths"."""
+    if method == "vanilla":
+        return lambda c, s, g, cond_mask=None: generate(target, c, s, g, cond_mask=cond_mask)
+    if method not in verify.VERIFIERS:
+        raise ValueError(f"decoding method {method!r}: not 'vanilla' nor a verifier {sorted(verify.VERIFIERS)}")
+    if method in ("sjd", "gsd"):
+        return lambda c, s, g, cond_mask=None: jacobi_generate(target, c, s, method, window, g, cond_mask=cond_mask,
+                                                               geometry=geometry, options=options)
+    if drafter is None:
+        raise ValueError(f"decoding method {method!r} verifies a drafter's trees: give a drafter "
+                         "(`lisa train-drafter`)")
+    spec = spec or SpecConfig(method)
+    if spec.verifier != method:
+        spec = SpecConfig(method, spec.tree, spec.depth, spec.top_k, spec.total_tokens)
+    return lambda c, s, g, cond_mask=None: speculative_generate(target, drafter, c, s, spec, g, cond_mask=cond_mask,
+                                                                geometry=geometry, options=options)

@@ -21,11 +21,11 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from lisa import data, fid, judges, quality
-from lisa.bench import bench_vanilla, markdown_table
+from lisa.bench import auto_tree, bench_speculative, bench_vanilla, markdown_table, speculative_markdown
 from lisa.checkpoint import atomic_write, file_sha256, load_artifact, read_state_dict, save_artifact, write_json
-from lisa.config import (BenchParams, BuildDatasetParams, EncodeParams, InitTargetParams, InitTokenizerParams,
-                         EvaluateParams, PremiseParams, QualityParams, SampleParams,
-                         TrainDrafterParams, TrainJudgeParams, TrainTargetParams, TrainTokenizerParams, WorldParams)
+from lisa.config import (AutoTreeParams, BenchMethod, BenchParams, BenchSpecParams, BuildDatasetParams,
+                         EncodeParams, EvaluateParams, InitTargetParams, InitTokenizerParams, PremiseParams,
+                         QualityParams, SampleParams, TrainDrafterParams, TrainJudgeParams, TrainTargetParams, TrainTokenizerParams, WorldParams)
 from lisa.generate import generate
 from lisa.images import save_grid
 from lisa.load import import_llamagen_gpt, import_llamagen_vq, load_target, load_tokenizer
@@ -224,7 +224,8 @@ def sample(target_path: str | Path, tokenizer_path: str | Path, world: WorldPara
     gen = torch.Generator().manual_seed(p.seed)
     tokens, images, decode_s = [], [], 0.0
     t0 = time.perf_counter()
-    decode = _decoder(model, vq, target_meta, p, drafter_path)
+    auto = {}
+    decode = _decoder(model, vq, target_meta, p, drafter_path, calib=cond[: p.batch_size], auto=auto)
     taus = []
     for batch in tqdm(cond.split(p.batch_size), desc=f"sample ({p.method})", unit="batch"):
         tok, stats = decode(batch, sampling, gen)
@@ -249,6 +250,7 @@ def sample(target_path: str | Path, tokenizer_path: str | Path, world: WorldPara
         "s_per_image": (total_s - decode_s) / len(cond),
         "method": p.method,
         "tau": sum(taus) / len(taus),
+        **({"auto_tree": auto} if auto else {}),
         "target_sha256": target_meta["sha256"],
         "tokenizer_sha256": vq_meta["sha256"],
     }
@@ -256,27 +258,33 @@ def sample(target_path: str | Path, tokenizer_path: str | Path, world: WorldPara
     return metrics
 
 
-def _decoder(model, vq, target_meta: dict, p: SampleParams, drafter_path):
-    """(cond, sampling, generator) -> (tokens, stats) for the method p.method."""
-    from lisa.generate import SpecConfig, jacobi_generate, speculative_generate
+def _decoder(model, vq, target_meta: dict, p: SampleParams, drafter_path, calib=None, auto: Optional[dict] = None):
+    """(cond, sampling, generator) -> (tokens, stats) for the method p.method. With p.tree "auto", the cost model
+    picks depth and total_tokens from decoding the conditions `calib` on this machine (recorded in `auto`)."""
+    from lisa.generate import SpecConfig, decoder
     from lisa.verify import VERIFIERS, Geometry
 
-    if p.method == "vanilla":
-        return lambda c, s, g: generate(model, c, s, g)
-    if p.method not in VERIFIERS:
+    if p.method != "vanilla" and p.method not in VERIFIERS:
         raise ValueError(f"sample.method {p.method!r}: not 'vanilla' nor a verifier {sorted(VERIFIERS)}")
     # the neighbour table is V x V work: only for the verifiers that read it
     geometry = Geometry.from_codebook(vq.codebook(), p.neighbours) if p.method in ("lantern", "gsd") else None
-    if p.method in ("sjd", "gsd"):
-        return lambda c, s, g: jacobi_generate(model, c, s, p.method, p.window, g, geometry=geometry,
-                                               options=p.options)
-    if drafter_path is None or not Path(drafter_path).is_file():
-        raise FileNotFoundError(f"sample.method {p.method!r} needs a drafter: {drafter_path} not found "
-                                "(`lisa train-drafter`)")
-    drafter, _ = load_drafter(drafter_path, target_meta)
-    spec = SpecConfig(p.method, p.tree, p.depth, p.top_k_draft, p.total_tokens)
-    return lambda c, s, g: speculative_generate(model, drafter, c, s, spec, g, geometry=geometry,
-                                                options=p.options)
+    drafter = None
+    if p.method not in ("vanilla", "sjd", "gsd"):
+        if drafter_path is None or not Path(drafter_path).is_file():
+            raise FileNotFoundError(f"sample.method {p.method!r} needs a drafter: {drafter_path} not found "
+                                    "(`lisa train-drafter`)")
+        drafter, _ = load_drafter(drafter_path, target_meta)
+    depth, total = p.depth, p.total_tokens
+    if p.tree == "auto" and drafter is not None:
+        method = BenchMethod(p.method, p.method, "auto", top_k_draft=p.top_k_draft, options=p.options)
+        sampling = SamplingConfig(p.temperature, p.top_k, p.top_p, p.cfg_scale)
+        choice = auto_tree(model, drafter, [{"label": "calibration", "cond": calib}], method, sampling, p.seed,
+                           geometry, AutoTreeParams(calib_conditions=1))
+        depth, total = choice.depth, choice.total_tokens
+        if auto is not None:
+            auto.update(depth=depth, total_tokens=total, why=choice.why)
+    spec = SpecConfig(p.method, "dynamic" if p.tree == "auto" else p.tree, depth, p.top_k_draft, total)
+    return decoder(model, p.method, drafter, spec, p.window, geometry, p.options)
 
 
 def premise(target_path: str | Path, tokenizer_path: str | Path, codes_path: str | Path, p: PremiseParams,
@@ -310,6 +318,104 @@ def bench(p: BenchParams, out_dir: str | Path) -> dict:
     title = f"Vanilla decode, {name} ({model.num_params() / 1e6:.0f}M params, random weights), {result['threads']} threads"
     atomic_write(out / "vanilla.md", lambda tmp: Path(tmp).write_text(markdown_table(rows, title)))
     return result
+
+
+DRAFTER_VERIFIERS = ("greedy", "exact", "lantern")  # verifiers of a drafter's trees (sjd / gsd draft themselves)
+
+
+def bench_spec(target_path: str | Path, tokenizer_path: str | Path, drafter_path: Optional[str | Path],
+               world: WorldParams, sample_p: SampleParams, p: BenchSpecParams, out_dir: str | Path,
+               name: str = "world") -> dict:
+    """Speculative decoding benchmark of a world's target and drafter: every method of `p.methods` on the same
+    classes / prompts (`sample_p`) with the same seeds, in one run -> out_dir/<name>.{json,md,png}."""
+    from lisa.verify import VERIFIERS, Geometry
+
+    if p.threads:
+        torch.set_num_threads(p.threads)
+    model, target_meta = load_target(target_path)
+    vq, vq_meta = load_tokenizer(tokenizer_path)
+    cfg = model.config
+    unknown = [m.method for m in p.methods if m.method != "vanilla" and m.method not in VERIFIERS]
+    if unknown:
+        raise ValueError(f"bench_spec.methods: unknown methods {unknown}; known: vanilla, {sorted(VERIFIERS)}")
+    if len({m.name for m in p.methods}) != len(p.methods):
+        raise ValueError(f"bench_spec.methods: names must be unique, got {[m.name for m in p.methods]}")
+    drafter = drafter_meta = None
+    if any(m.method in DRAFTER_VERIFIERS or m.tree == "auto" for m in p.methods):
+        if drafter_path is None or not Path(drafter_path).is_file():
+            raise FileNotFoundError(f"bench_spec: methods {[m.name for m in p.methods if m.method in DRAFTER_VERIFIERS]}"
+                                    f" need a drafter: {drafter_path} not found (`lisa train-drafter`)")
+        drafter, drafter_meta = load_drafter(drafter_path, target_meta)
+    geometry = (Geometry.from_codebook(vq.codebook(), p.neighbours)
+                if any(m.method in ("lantern", "gsd") for m in p.methods) else None)
+    text_s = None
+    if cfg.model_type == "c2i":
+        names = data.class_names(world.dataset.name) if world.dataset else None
+        labels = [f"{c} {names[c]}" if names else str(c) for c in sample_p.classes for _ in range(p.per_class)]
+        cond = torch.tensor([c for c in sample_p.classes for _ in range(p.per_class)])
+    else:
+        if not sample_p.prompts:
+            raise ValueError(f"{target_path} is text-conditional: sample.prompts must list captions")
+        encoder = CaptionEncoder(None if world.caption_encoder in (None, "minilm") else world.caption_encoder)
+        encoder.encode(sample_p.prompts[:1], cfg.cls_token_num)  # warm-up
+        t0 = time.perf_counter()
+        feats = encoder.encode(list(sample_p.prompts), cfg.cls_token_num)
+        text_s = (time.perf_counter() - t0) / len(sample_p.prompts)
+        labels = [q for q in sample_p.prompts for _ in range(p.per_class)]
+        cond = feats.repeat_interleave(p.per_class, dim=0)
+    conditions = [{"label": ", ".join(labels[i : i + p.batch_size]), "cond": cond[i : i + p.batch_size]}
+                  for i in range(0, len(cond), p.batch_size)]
+    sampling = SamplingConfig(p.temperature, p.top_k, p.top_p, p.cfg_scale)
+
+    def vq_decode(tokens):
+        with torch.inference_mode():
+            return vq.decode(tokens)
+
+    report = bench_speculative(model, drafter, conditions, p.methods, sampling, p.repeats, p.warmup, p.seed,
+                               geometry, p.auto, vq_decode)
+    report |= {"world": name, "text_encode_ms_per_prompt": 1000 * text_s if text_s is not None else None,
+               "sampling": {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
+                            "cfg_scale": p.cfg_scale},
+               "target_sha256": target_meta["sha256"], "tokenizer_sha256": vq_meta["sha256"],
+               "drafter_sha256": drafter_meta["sha256"] if drafter_meta else None}
+    out = Path(out_dir)
+    write_json(out / f"{name}.json", report)
+    title = (f"Speculative decoding, {name}: {cfg.n_layer}-layer dim-{cfg.dim} target ({model.num_params() / 1e6:.1f}M), "
+             f"T={p.temperature:g}, CFG {p.cfg_scale:g}, top-k {p.top_k or 'off'}")
+    atomic_write(out / f"{name}.md", lambda tmp: Path(tmp).write_text(speculative_markdown(report, title)))
+    plot_bench(report, out / f"{name}.png", title)
+    return {m["name"]: {"ms_per_image": m["ms_per_image"], "speedup": m.get("speedup"), "tau": m["tau"]}
+            for m in report["methods"]}
+
+
+def plot_bench(report: dict, path: Path, title: str):
+    """Speedup per method and the acceptance-length distribution of each (one PNG beside the table)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ms = report["methods"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
+    names = [m["name"] for m in ms]
+    a.barh(names[::-1], [m.get("speedup", 0.0) for m in ms][::-1], color="tab:blue")
+    a.axvline(1.0, color="grey", lw=1, ls="--")
+    for i, m in enumerate(ms[::-1]):
+        a.text(m.get("speedup", 0.0), i, f" {m.get('speedup', 0.0):.2f}x, tau {m['tau']:.2f}", va="center", fontsize=8)
+    a.set_xlabel("wall-clock speedup over vanilla (same run)")
+    width = max(max(m["accept_hist"]) for m in ms)
+    for m in ms:
+        if m["method"] == "vanilla":
+            continue
+        tot = sum(m["accept_hist"].values())
+        b.plot(range(1, width + 1), [m["accept_hist"].get(i, 0) / tot for i in range(1, width + 1)], marker="o",
+               label=m["name"])
+    b.set_xlabel("tokens emitted per target forward (acceptance length, bonus included)")
+    b.set_ylabel("share of rounds")
+    b.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
+    plt.close(fig)
 
 
 REFERENCE_FILE = "reference.safetensors"

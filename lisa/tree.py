@@ -35,12 +35,13 @@ class Tree:
     def ancestor_mask(self) -> Tensor:
         """(B, N, N) bool: node i may attend to node j iff j is i or one of its ancestors (tree attention)."""
         B, N = self.parents.shape
-        mask = torch.eye(N, dtype=torch.bool, device=self.parents.device).expand(B, N, N).clone()
-        for i in range(N):  # breadth-first: a parent's row is complete before its children's
-            p = self.parents[:, i]
-            has = p >= 0
-            if has.any():
-                mask[has, i] |= mask[has, p[has]]
+        dev = self.parents.device
+        mask = torch.eye(N, dtype=torch.bool, device=dev).expand(B, N, N).clone()
+        anc = self.parents.clone()  # each node's ancestor `step` levels up (-1 past the root)
+        parents_ext = torch.cat([self.parents, torch.full((B, 1), -1, dtype=torch.long, device=dev)], 1)
+        for _ in range(int(self.depth.max()) - 1 if N else 0):  # one pass per level, not per node
+            mask.scatter_(2, anc.clamp(min=0)[..., None], (anc >= 0)[..., None] | mask.gather(2, anc.clamp(min=0)[..., None]))
+            anc = parents_ext.gather(1, torch.where(anc >= 0, anc, N))
         return mask
 
     def leaves(self) -> Tensor:

@@ -106,3 +106,12 @@ def train_drafter(params_path: str, world: str, root: str = ".") -> dict:
 @task(name="bench")
 def bench(params_path: str, root: str = ".") -> dict:
     return stages.bench(load_params(params_path).bench, stages.layout("-", root)["bench"])
+
+
+@task(name="bench-spec")
+def bench_spec(params_path: str, world: str, root: str = ".") -> dict:
+    p = load_params(params_path)
+    where = stages.layout(world, root)
+    return stages.bench_spec(where["target"] / stages.TARGET_FILE, where["tokenizer"] / stages.TOKENIZER_FILE,
+                             where["drafter"] / stages.DRAFTER_FILE, p.world(world), p.sample, p.bench_spec,
+                             where["bench"], world)

@@ -16,7 +16,7 @@ BIN = Path(sys.executable).parent
 STAGES = ["build-dataset", "train-tokenizer", "encode", "train-target", "init-tokenizer", "init-target", "sample",
           "premise", "fid-reference", "train-judge", "evaluate", "train-drafter", "bench"]
 DAG = ["build-dataset", "train-tokenizer", "encode", "train-target", "sample", "premise", "fid-reference",
-       "train-judge", "evaluate", "bench"]
+       "train-judge", "evaluate", "train-drafter", "bench-spec", "bench"]
 
 
 def micro_repo(tmp_path: Path) -> Path:
@@ -71,6 +71,16 @@ def test_dvc_repro_micro(tmp_path):
         assert (repo / f"reports/quality/{world}/samples.png").stat().st_size > 0
     assert 0 <= json.loads((repo / "reports/quality/fashion-c2i/metrics.json").read_text())["class_consistency"] <= 100
     assert json.loads((repo / "reports/quality/emoji-t2i/metrics.json").read_text())["clip_score"] >= 0
+    for world in ("fashion-c2i", "emoji-t2i"):  # the drafter is trained against this target; every method ran
+        drafter = json.loads((repo / f"data/drafter/{world}/drafter.json").read_text())
+        target_sha = json.loads((repo / f"data/target/{world}/model.json").read_text())["sha256"]
+        spec = json.loads((repo / f"reports/bench/{world}.json").read_text())
+        assert drafter["made_from"]["target_sha256"] == target_sha == spec["target_sha256"]
+        assert [m["name"] for m in spec["methods"]] == ["vanilla", "exact-tree", "exact-chain", "exact-auto",
+                                                         "lantern", "sjd", "gsd"]
+        assert all(m["tau"] >= 1.0 and m["speedup"] > 0 for m in spec["methods"])
+        assert (repo / f"reports/bench/{world}.png").stat().st_size > 0
+        assert "| exact-auto |" in (repo / f"reports/bench/{world}.md").read_text()
     bench = json.loads((repo / "reports/bench/vanilla.json").read_text())
     assert [r["cfg_scale"] for r in bench["rows"]] == [1.0, 2.0] and all(r["tokens_per_s"] > 0 for r in bench["rows"])
     assert "didn't change" in run([str(BIN / "dvc"), "repro"], repo)  # nothing reruns
@@ -78,12 +88,7 @@ def test_dvc_repro_micro(tmp_path):
     (repo / "params.yaml").write_text(profile_text("micro").replace("per_class: 2", "per_class: 3"))
     out = run([str(BIN / "dvc"), "repro"], repo)
     assert "Running stage 'sample@fashion-c2i'" in out and "Running stage 'train-target" not in out
-    assert "Running stage 'evaluate" not in out
-    # the drafter stage (CLI; joins the DAG with the speculative benchmark) trains against the micro target
-    run([str(BIN / "lisa"), "train-drafter", "--world", "fashion-c2i"], repo)
-    drafter = json.loads((repo / "data/drafter/fashion-c2i/drafter.json").read_text())
-    assert drafter["made_from"]["target_sha256"] == json.loads(
-        (repo / "data/target/fashion-c2i/model.json").read_text())["sha256"]
+    assert "Running stage 'evaluate" not in out and "Running stage 'bench-spec" not in out
     assert json.loads((repo / "reports/samples/fashion-c2i/metrics.json").read_text())["images"] == 12
 
 
@@ -102,6 +107,8 @@ def test_prefect_flow_micro(tmp_path):
     assert (repo / "data/target/fashion-c2i/model.safetensors").is_file()
     assert metrics["emoji-t2i"]["evaluate"]["samples"] == 8 and "class_consistency" in metrics["fashion-c2i"]["evaluate"]
     assert [r["cfg_scale"] for r in metrics["bench"]["rows"]] == [1.0, 2.0]
+    assert metrics["emoji-t2i"]["bench_spec"]["vanilla"]["speedup"] == 1.0
+    assert (repo / "data/drafter/fashion-c2i/drafter.safetensors").is_file()
 
 
 def test_stages_import_an_official_checkpoint(tmp_path):

@@ -146,6 +146,10 @@ def test_sample_stage_takes_a_method(tmp_path):
         m = stages.sample(where["target"] / stages.TARGET_FILE, where["tokenizer"] / stages.TOKENIZER_FILE, world,
                           params, tmp_path / method, where["drafter"] / stages.DRAFTER_FILE)
         assert m["method"] == method and m["tau"] >= 1.0 and (tmp_path / method / "grid.png").is_file()
+    m = stages.sample(where["target"] / stages.TARGET_FILE, where["tokenizer"] / stages.TOKENIZER_FILE, world,
+                      dataclasses.replace(p.sample, method="exact", tree="auto"), tmp_path / "auto",
+                      where["drafter"] / stages.DRAFTER_FILE)
+    assert m["auto_tree"]["depth"] >= 1 and "predicted" in m["auto_tree"]["why"]
     with pytest.raises(ValueError, match="not 'vanilla' nor a verifier"):
         stages.sample(where["target"] / stages.TARGET_FILE, where["tokenizer"] / stages.TOKENIZER_FILE, world,
                       dataclasses.replace(p.sample, method="magic"), tmp_path / "x")

@@ -77,3 +77,25 @@ def test_select_reindexes():
     t = small_tree()
     s = select(t, torch.tensor([[0, 2, 5]]))
     assert s.parents.tolist() == [[-1, 0, 1]] and s.tokens.tolist() == [[10, 12, 15]]
+
+
+def test_ancestor_mask_on_random_trees():
+    """The level-by-level ancestor mask equals a node-by-node walk up the parents, on random BFS-ordered trees."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        B, N = 3, 12
+        parents = torch.full((B, N), -1, dtype=torch.long)
+        depth = torch.ones(B, N, dtype=torch.long)
+        for b in range(B):
+            for i in range(N):
+                p = int(torch.randint(-1, i, (1,), generator=gen))
+                parents[b, i], depth[b, i] = p, 1 if p < 0 else int(depth[b, p]) + 1
+        ref = torch.eye(N, dtype=torch.bool).expand(B, N, N).clone()
+        for b in range(B):
+            for i in range(N):
+                node = int(parents[b, i])
+                while node >= 0:
+                    ref[b, i, node] = True
+                    node = int(parents[b, node])
+        tree = Tree(torch.zeros(B, N, dtype=torch.long), parents, depth, torch.zeros(B, N))
+        assert torch.equal(tree.ancestor_mask(), ref)

@@ -1,0 +1,60 @@
+"""The speculative benchmark: every method on the same conditions and seeds in one run, and its report."""
+import torch
+
+from lisa.bench import bench_speculative, speculative_markdown
+from lisa.config import AutoTreeParams, BenchMethod
+from lisa.models.drafter import DrafterConfig, build_drafter
+from lisa.sampling import SamplingConfig
+from lisa.verify import Geometry
+from tests.helpers import micro_gpt
+
+METHODS = [
+    BenchMethod("vanilla"),
+    BenchMethod("exact-tree", "exact", "dynamic", depth=3, top_k_draft=2, total_tokens=5),
+    BenchMethod("exact-chain", "exact", "chain", depth=3),
+    BenchMethod("greedy-auto", "greedy", "auto", top_k_draft=2),
+    BenchMethod("lantern", "lantern", "dynamic", depth=3, top_k_draft=2, total_tokens=5, options={"k": 3, "delta": 0.2}),
+    BenchMethod("sjd", "sjd", window=4),
+    BenchMethod("gsd", "gsd", window=4),
+]
+
+
+def run_bench(sampling, repeats=1):
+    torch.manual_seed(0)
+    target = micro_gpt(vocab_size=8)
+    drafter = build_drafter(DrafterConfig.for_target(target.config)).eval()
+    geometry = Geometry.from_codebook(torch.randn(8, 4), 4)
+    conditions = [{"label": f"class {c}", "cond": torch.tensor([c])} for c in (1, 4, 7)]
+    auto = AutoTreeParams(max_depth=3, sizes=[1, 2, 4, 8], calib_conditions=2, reps=1)
+    return bench_speculative(target, drafter, conditions, METHODS, sampling, repeats=repeats, warmup=1, seed=0,
+                             geometry=geometry, auto=auto, vq_decode=lambda t: t.float(), progress=False)
+
+
+def test_greedy_bench_every_method_emits_vanillas_tokens():
+    report = run_bench(SamplingConfig(temperature=0.0, cfg_scale=2.0), repeats=2)
+    ms = {m["name"]: m for m in report["methods"]}
+    assert list(ms) == [m.name for m in METHODS]
+    for m in ms.values():
+        # lossless methods (and the relaxed ones, on one-hot greedy distributions) reproduce vanilla exactly
+        assert m["same_tokens_as_vanilla"] == 1.0, m["name"]
+        assert m["ms_per_image"] > 0 and m["bare_forward_ms"] > 0 and m["tau"] >= 1.0
+        rounds = sum(m["accept_hist"].values())
+        # every image emits 15 tokens after the prefill: sum of acceptance lengths = 15 per image and pass
+        assert sum(k * v for k, v in m["accept_hist"].items()) == 15 * 3 * 2, m["name"]
+        assert m["tau"] == sum(k * v for k, v in m["accept_hist"].items()) / rounds
+    assert ms["vanilla"]["speedup"] == 1.0 and ms["vanilla"]["tau"] == 1.0
+    assert ms["exact-chain"]["forward_tokens"] == 4 and ms["sjd"]["forward_tokens"] == 5
+    auto = ms["greedy-auto"]["auto"]
+    assert auto["depth"] == ms["greedy-auto"]["depth"] and auto["total_tokens"] == ms["greedy-auto"]["total_tokens"]
+    assert len(report["per_condition"]) == 3 * len(METHODS) and report["vq_decode_ms_per_image"] > 0
+
+
+def test_sampling_bench_report_and_markdown():
+    report = run_bench(SamplingConfig(temperature=1.0, top_k=6, cfg_scale=2.0))
+    md = speculative_markdown(report, "micro")
+    for m in METHODS:
+        assert f"| {m.name} |" in md
+    assert "Auto tree for greedy-auto: depth" in md and "Acceptance length per round" in md
+    ms = {m["name"]: m for m in report["methods"]}
+    assert ms["sjd"]["drafter_share"] == 0.0 and ms["exact-tree"]["drafter_share"] > 0.0
+    assert 0.0 < ms["exact-tree"]["target_share"] < 1.0
