@@ -127,7 +127,7 @@ def forward_size(m) -> int:
         return 1
     if m.method in ("sjd", "gsd"):
         return m.window + 1
-    return (m.depth if m.tree == "chain" else m.total_tokens) + 1
+    return SpecConfig(m.method, m.tree, m.depth, m.top_k_draft, m.total_tokens).nodes + 1
 
 
 def bench_speculative(target: Transformer, drafter, conditions: list[dict], methods: list, sampling: SamplingConfig,
@@ -241,7 +241,8 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
             xs = [x for x in rs if x["condition"] == ci]
             ls = [a for x in xs for row in x["accept_lengths"] for a in row if a > 0]
             per_condition.append({"condition": c["label"], "method": m.name,
-                                  "ms_per_image": 1000 * statistics.median(x["wall_s"] for x in xs) / c["cond"].shape[0],
+                                  "ms_per_image": 1000 * statistics.median(x["wall_s"] for x in xs)
+                                  / c["cond"].shape[0],
                                   "tau": sum(ls) / len(ls)})
     if vanilla is not None:
         base = next(x for x in report_methods if x["name"] == vanilla)["ms_per_image"]
@@ -268,40 +269,36 @@ def auto_tree(target: Transformer, drafter, conditions: list[dict], m, sampling:
     full = k + (D - 1) * k * k  # every node a depth-D dynamic tree drafts
     small = min(s for s in auto.sizes if s >= 2)
     specs = [(SpecConfig(m.method, "dynamic", D, k, full), True), (SpecConfig(m.method, "dynamic", 2, k, small), False)]
-    timer_t, timer_d = ForwardTimer(target, device), ForwardTimer(drafter, device)
-    trace, loop_points, vanilla_steps = [], [], []
-    try:
-        for ci, c in enumerate(tqdm(conditions, desc=f"auto tree ({m.method})", unit="cond", disable=not progress)):
-            for r in range(2 if ci == 0 else 1):  # the first condition once more as a warm-up
-                gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + ci)
-                sync(device)
-                t0 = time.perf_counter()
-                generate(target, c["cond"], sampling, gen, cond_mask=c.get("cond_mask"))
-                sync(device)
-                vanilla_steps.append((time.perf_counter() - t0) / target.config.block_size)
-                for spec, traced in specs:
-                    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + ci)
-                    timer_t.reset()
-                    timer_d.reset()
-                    rounds: list = []
-                    t0 = time.perf_counter()
-                    _, stats = speculative_generate(target, drafter, c["cond"], sampling, spec, gen,
-                                                    cond_mask=c.get("cond_mask"), geometry=geometry,
-                                                    options=dict(m.options), trace=rounds if traced else None)
-                    wall = time.perf_counter() - t0
-                    if ci == 0 and r == 0:
-                        continue
-                    loop_points.append((spec.total_tokens, (wall - timer_t.seconds - timer_d.seconds) / stats["rounds"]))
-                    trace += rounds
-            if ci == 0:
-                vanilla_steps = vanilla_steps[1:]
-    finally:
-        timer_t.remove()
-        timer_d.remove()
+    trace, timed, vanilla_steps = [], [], []
+    runs = [(r, ci, c) for r in range(2) for ci, c in enumerate(conditions)]  # pass 0 warms up
+    for r, ci, c in tqdm(runs, desc=f"auto tree ({m.method})", unit="run", disable=not progress):
+        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + ci)
+        sync(device)
+        t0 = time.perf_counter()
+        generate(target, c["cond"], sampling, gen, cond_mask=c.get("cond_mask"))
+        sync(device)
+        if r:
+            vanilla_steps.append((time.perf_counter() - t0) / target.config.block_size)
+        for spec, traced in specs:
+            gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + ci)
+            rounds: list = []
+            sync(device)
+            t0 = time.perf_counter()
+            _, stats = speculative_generate(target, drafter, c["cond"], sampling, spec, gen,
+                                            cond_mask=c.get("cond_mask"), geometry=geometry,
+                                            options=dict(m.options), trace=rounds if traced and r else None)
+            sync(device)
+            if r:
+                timed.append((spec, (time.perf_counter() - t0) / stats["rounds"], stats["tau"]))
+                trace += rounds
     costs = costmodel.measure_costs(target, drafter, rows, auto.sizes + [full], k,
                                     target.config.cls_token_num + target.config.block_size // 2, auto.reps)
     costs.vanilla_step_s = statistics.median(vanilla_steps)
-    costs.loop_a_s, costs.loop_b_s = costmodel.fit_loop(loop_points)
+    # the rest of a round: its wall time less the bare forwards it makes (drafting, verification, bookkeeping,
+    # and what a forward costs inside the loop beyond a bare one), linear in the tree size
+    costs.loop_a_s, costs.loop_b_s = costmodel.fit_loop(
+        [(spec.total_tokens, per_round - costs.target(spec.total_tokens + 1) - costs.draft(spec.depth, k, commit=tau))
+         for spec, per_round, tau in timed])
     profile = costmodel.acceptance_profile(trace, D)
     return costmodel.choose(profile, costs, k, auto.sizes)
 
@@ -313,11 +310,10 @@ def speculative_markdown(report: dict, title: str) -> str:
              f"{report['images_per_method_pass']} images per method per pass, median of {report['repeats']} passes "
              f"after {report['warmup']} warm-up, methods interleaved; {report['rows_in_forward']} rows per forward "
              f"(CFG doubles the batch); {report['threads']} threads on {report['device']}. Times are the decode loop "
-             "only; the VQ decode"
+             "only; timed apart: the VQ decode"
              + (f" ({report['vq_decode_ms_per_image']:.1f} ms per image)" if report["vq_decode_ms_per_image"] else "")
              + (f" and the caption encoding ({report['text_encode_ms_per_prompt']:.1f} ms per prompt)"
-                if report.get("text_encode_ms_per_prompt") else "")
-             + " are apart.", "",
+                if report.get("text_encode_ms_per_prompt") else "") + ".", "",
              "| method | verifier | tree | ms / image | speedup | tau | target forwards / image | loop ms / forward "
              "| bare forward ms (tokens) | loop overhead | in target | in drafter |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -326,13 +322,14 @@ def speculative_markdown(report: dict, title: str) -> str:
             tree = f"window {m['window']}"
         elif m["tree"] == "chain":
             tree = f"chain, depth {m['depth']}"
-        elif m["tree"] == "dynamic":
-            tree = f"dynamic, depth {m['depth']}, top-{m['top_k_draft']}, {m['total_tokens']} nodes"
+        elif m["tree"] in ("dynamic", "static"):
+            tree = f"{m['tree']}, depth {m['depth']}, top-{m['top_k_draft']}, {m['forward_tokens'] - 1} nodes"
         else:
             tree = "-"
         if m["auto"]:
             tree += " (auto)"
-        lines.append(f"| {m['name']} | {m['method']} | {tree} | {m['ms_per_image']:.1f} | {m.get('speedup', float('nan')):.2f}x "
+        lines.append(f"| {m['name']} | {m['method']} | {tree} | {m['ms_per_image']:.1f} | "
+                     f"{m.get('speedup', float('nan')):.2f}x "
                      f"| {m['tau']:.2f} | {m['target_forwards_per_image']:.1f} | {m['loop_ms_per_forward']:.2f} | "
                      f"{m['bare_forward_ms']:.2f} ({m['forward_tokens']}) | {100 * m['loop_overhead']:+.0f}% | "
                      f"{100 * m['target_share']:.0f}% | {100 * m['drafter_share']:.0f}% |")
@@ -351,7 +348,8 @@ def speculative_markdown(report: dict, title: str) -> str:
     cell = {(x["condition"], x["method"]): x for x in report["per_condition"]}
     for c in conds:
         lines.append(f"| {c} | " + " | ".join(
-            f"{cell[c, n]['ms_per_image']:.0f} ({cell[c, n].get('speedup', float('nan')):.2f}x, {cell[c, n]['tau']:.2f})"
+            f"{cell[c, n]['ms_per_image']:.0f} ({cell[c, n].get('speedup', float('nan')):.2f}x, "
+            f"{cell[c, n]['tau']:.2f})"
             for n in names) + " |")
     autos = [m for m in ms if m["auto"]]
     for m in autos:
@@ -359,7 +357,8 @@ def speculative_markdown(report: dict, title: str) -> str:
         lines += ["", f"Auto tree for {m['name']}: {a['why']}. Measured: tau {m['tau']:.2f}, "
                       f"{m.get('speedup', float('nan')):.2f}x."]
         top = sorted(a["grid"], key=lambda g: -g["speedup"])[:8]
-        lines += ["", "| depth | total_tokens | predicted tau | round ms | predicted speedup |", "|---|---|---|---|---|"]
+        lines += ["", "| depth | total_tokens | predicted tau | round ms | predicted speedup |",
+                  "|---|---|---|---|---|"]
         lines += [f"| {g['depth']} | {g['total_tokens']} | {g['tau']:.2f} | {g['round_ms']:.2f} | {g['speedup']:.2f}x |"
                   for g in top]
     return "\n".join(lines) + "\n"

@@ -3,7 +3,8 @@
 One section per pipeline stage (`build_dataset`, `train_tokenizer`, `encode`, `train_target`, `init_target`,
 `init_tokenizer`, `sample`, `premise`, the training and quality stages, `bench`, `bench_spec`) plus `worlds`:
 each world is one target family with its tokenizer (the stages loop over worlds). Named profiles (`micro` for
-CI, `toy`, the default params.yaml) live in lisa/profiles/. Validation uses pydantic dataclasses with extra keys forbidden.
+CI, `toy`, the default params.yaml) live in lisa/profiles/. Validation uses pydantic dataclasses with extra keys
+forbidden.
 """
 from __future__ import annotations
 
@@ -115,7 +116,7 @@ class SampleParams(SamplingParams):
     batch_size: int = 8
     # decoding method: vanilla, or a verifier name (greedy, exact, lantern with a drafter; sjd, gsd drafter-free)
     method: str = "vanilla"
-    tree: str = "dynamic"  # speculative: dynamic | chain | auto (lisa.costmodel picks depth and total_tokens)
+    tree: str = "dynamic"  # speculative: dynamic | static | chain | auto (lisa.costmodel picks depth, total_tokens)
     depth: int = 4
     top_k_draft: int = 4  # children per expanded node (dynamic tree)
     total_tokens: int = 16  # draft nodes kept (dynamic tree)
@@ -187,7 +188,7 @@ class BenchMethod:
     """One column of the speculative benchmark: a decoding method and its tree / window / knobs."""
     name: str  # the label in the report
     method: str = "vanilla"  # vanilla, or a verifier (greedy, exact, lantern with the drafter; sjd, gsd without)
-    tree: str = "dynamic"  # dynamic | chain | auto (lisa.costmodel picks depth and total_tokens on this machine)
+    tree: str = "dynamic"  # dynamic | static | chain | auto (lisa.costmodel picks depth and total_tokens here)
     depth: int = 4
     top_k_draft: int = 4
     total_tokens: int = 16

@@ -123,7 +123,8 @@ def measure_costs(target: Transformer, drafter, rows: int, sizes: list[int], top
     """Bare target forwards over S = 1 and N + 1 for N in sizes, and drafter forwards over 1..top_k (+ a few)."""
     tgt = {s: time_target_forward(target, rows, s, context, reps) for s in sorted({1, 2} | {n + 1 for n in sizes})}
     dsizes = sorted({1, 2, 4, top_k, 8})
-    dft = {s: time_drafter_forward(drafter, rows, s, context, reps) for s in dsizes} if drafter is not None else {1: 0.0}
+    dft = ({s: time_drafter_forward(drafter, rows, s, context, reps) for s in dsizes} if drafter is not None
+           else {1: 0.0})
     return Costs(rows=rows, target_s=tgt, drafter_s=dft)
 
 
@@ -199,12 +200,13 @@ def choose(profile: AcceptanceProfile, costs: Costs, top_k: int, sizes: list[int
     bigger = [g for g in grid if g["total_tokens"] > n and g["depth"] >= d]
     nxt = max(bigger, key=lambda g: g["tau"]) if bigger else None
     why = (f"depth {d}, {n} nodes: tau {best['tau']:.2f} per round of {best['round_ms']:.2f} ms (target forward of "
-           f"{n + 1} tokens {1000 * costs.target(n + 1):.2f} ms, drafter {1000 * costs.draft(d, top_k, commit=best['tau']):.2f} ms, "
+           f"{n + 1} tokens {1000 * costs.target(n + 1):.2f} ms, "
+           f"drafter {1000 * costs.draft(d, top_k, commit=best['tau']):.2f} ms, "
            f"loop {1000 * costs.loop(n):.2f} ms) against {1000 * costs.vanilla_step_s:.2f} ms per vanilla token: "
            f"{best['speedup']:.2f}x predicted")
     if nxt is not None:
-        why += (f"; the largest tree tried (depth {nxt['depth']}, {nxt['total_tokens']} nodes) would raise tau to "
-                f"{nxt['tau']:.2f} but cost {nxt['round_ms']:.2f} ms per round ({nxt['speedup']:.2f}x)")
+        why += (f"; the bigger tree of highest tau (depth {nxt['depth']}, {nxt['total_tokens']} nodes) would raise "
+                f"tau to {nxt['tau']:.2f} but cost {nxt['round_ms']:.2f} ms per round ({nxt['speedup']:.2f}x)")
     return Choice(d, n, best["tau"], best["round_ms"], best["speedup"], why, grid, asdict(costs))
 
 

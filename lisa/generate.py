@@ -15,7 +15,7 @@ from torch import Tensor
 from lisa.models.gpt import Transformer
 from lisa import verify
 from lisa.sampling import SamplingConfig, cfg_logits, logits_to_probs, sample, sample_from
-from lisa.tree import chain, dynamic_tree
+from lisa.tree import chain, dynamic_tree, static_choices, static_tree
 
 
 def prefix_embeddings(model: Transformer, cond: Tensor, use_cfg: bool) -> Tensor:
@@ -49,6 +49,24 @@ def guided(logits: Tensor, sampling: SamplingConfig) -> Tensor:
     return cfg_logits(logits, sampling.cfg_scale) if sampling.use_cfg else logits
 
 
+def force_tokens(dist: Tensor, pos: Tensor, forced: Optional[Tensor], log: bool = False) -> Tensor:
+    """The grammar hook: `forced` (T,) holds a token id at each image position that must be emitted as is (e.g.
+    Lumina-mGPT's end-of-line after every row), -1 elsewhere. At sequence positions `pos` (B, S) that are forced,
+    the distribution dist (B, S, V) becomes that token: one-hot probabilities, or (log=True) log-probabilities 0
+    there and -1e4 elsewhere (finite, so draft-tree ranking stays strict). Forced tokens are thus never sampled:
+    drafters draft them with certainty and every verifier accepts them, or emits them as the correction."""
+    if forced is None:
+        return dist
+    T = forced.shape[0]
+    f = torch.where(pos < T, forced[pos.clamp(0, T - 1)], -1)  # (B, S)
+    on = f >= 0
+    if not bool(on.any()):
+        return dist
+    hot = torch.nn.functional.one_hot(f.clamp(min=0), dist.shape[-1]).bool()
+    value = torch.where(hot, 0.0, -1e4).to(dist.dtype) if log else hot.to(dist.dtype)
+    return torch.where(on[..., None], value, dist)
+
+
 def prefill(model: Transformer, prefix: Tensor, sampling: SamplingConfig, generator: Optional[torch.Generator],
             key_mask: Optional[Tensor] = None) -> Tensor:
     """Run the condition prefix (B', C, D) through the model and sample the first image token (B,)."""
@@ -68,11 +86,12 @@ def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, sampl
 @torch.no_grad()
 def generate(model: Transformer, cond: Tensor, sampling: SamplingConfig, generator: Optional[torch.Generator] = None,
              num_tokens: Optional[int] = None, cond_mask: Optional[Tensor] = None,
-             step_fn: Optional[Callable] = None) -> tuple[Tensor, dict]:
+             step_fn: Optional[Callable] = None, forced: Optional[Tensor] = None) -> tuple[Tensor, dict]:
     """Sample image tokens (B, T) for `cond` (class ids (B,) or caption features (B, C, Dc)).
 
     cond_mask: (B, C) bool for t2i caption padding (True = real token). step_fn: a compiled
-    decode_one_token, if wanted. Returns (tokens, {"forwards": target forward passes}).
+    decode_one_token, if wanted. forced: (T,) grammar tokens (see force_tokens), -1 = sampled.
+    Returns (tokens, {"forwards": target forward passes}).
     """
     cfg = model.config
     T = num_tokens or cfg.block_size
@@ -85,9 +104,14 @@ def generate(model: Transformer, cond: Tensor, sampling: SamplingConfig, generat
 
     tokens = torch.empty(B, T, dtype=torch.long, device=cond.device)
     tokens[:, 0] = prefill(model, prefix_embeddings(model, cond, sampling.use_cfg), sampling, generator, key_mask)
+    fixed = forced.tolist() if forced is not None else [-1] * T
+    if fixed[0] >= 0:
+        tokens[:, 0] = fixed[0]
     for t in range(1, T):
         input_pos = torch.tensor([C + t - 1], device=cond.device)  # slot of the token being fed
         tokens[:, t] = step(model, tokens[:, t - 1], input_pos, sampling, generator, key_mask)
+        if fixed[t] >= 0:
+            tokens[:, t] = fixed[t]
     return tokens, {"forwards": T}
 
 
@@ -98,19 +122,21 @@ def generate(model: Transformer, cond: Tensor, sampling: SamplingConfig, generat
 @dataclass(frozen=True)
 class SpecConfig:
     verifier: str = "exact"  # a name in lisa.verify.VERIFIERS
-    tree: str = "dynamic"  # "dynamic" (EAGLE-2/3) | "chain"
+    tree: str = "dynamic"  # "dynamic" (EAGLE-2/3) | "static" (fixed shape: lisa.tree.static_choices) | "chain"
     depth: int = 4  # draft levels
     top_k: int = 4  # children per expanded node, nodes expanded per level (dynamic)
     total_tokens: int = 16  # draft nodes kept after reranking (dynamic)
 
     def __post_init__(self):
-        if self.tree not in ("dynamic", "chain"):
-            raise ValueError(f"SpecConfig.tree must be 'dynamic' or 'chain', got {self.tree!r}")
+        if self.tree not in ("dynamic", "static", "chain"):
+            raise ValueError(f"SpecConfig.tree must be 'dynamic', 'static' or 'chain', got {self.tree!r}")
         if min(self.depth, self.top_k, self.total_tokens) < 1:
             raise ValueError(f"SpecConfig: depth, top_k and total_tokens must be >= 1, got {self}")
 
     @property
     def nodes(self) -> int:
+        if self.tree == "static":
+            return len(static_choices(self.depth, self.top_k, self.total_tokens))
         return self.depth if self.tree == "chain" else self.total_tokens
 
 
@@ -122,7 +148,7 @@ def _dup(x: Tensor, use_cfg: bool) -> Tensor:
 def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: SamplingConfig, spec: SpecConfig,
                          generator: Optional[torch.Generator] = None, num_tokens: Optional[int] = None,
                          cond_mask: Optional[Tensor] = None, geometry=None, options: Optional[dict] = None,
-                         trace: Optional[list] = None) -> tuple[Tensor, dict]:
+                         trace: Optional[list] = None, forced: Optional[Tensor] = None) -> tuple[Tensor, dict]:
     """Speculative sampling of image tokens (B, T) with an EAGLE-3 drafter; each row accepts its own length.
 
     Layout. Target cache: condition prefix at slots 0..C-1, image token j at slot C + j once accepted; a round
@@ -133,7 +159,9 @@ def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: S
     rows in both models, guidance on both models' logits. Returns (tokens, {"forwards", "rounds", "tau",
     "accept_lengths"}): tau = tokens emitted per target forward after the prefill, bonus token included.
     trace: a list that receives, per round, the draft tree's node scores and depths, the accepted path and its
-    length, and which rows were live (what lisa.costmodel learns acceptance from).
+    length, and which rows were live (what lisa.costmodel learns acceptance from). forced: (T,) grammar tokens,
+    -1 = free (force_tokens): both models' distributions are one-hot there, so they are never drafted freely
+    nor sampled, and the emitted sequence has them exactly in place.
     """
     cfg = target.config
     T = num_tokens or cfg.block_size
@@ -147,7 +175,7 @@ def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: S
     max_pos = target.rope.shape[0] - 1
     target.setup_caches(GB, C + T + N + 2)
     t_junk = target.cache_length - 1  # padding writes land here
-    scratch = spec.depth * spec.top_k if spec.tree == "dynamic" else spec.depth
+    scratch = {"dynamic": spec.depth * spec.top_k, "static": N, "chain": spec.depth}[spec.tree]  # drafted pairs
     drafter.setup_caches(GB, T + scratch + spec.top_k + 2)
     d_junk = drafter.cache_length - 1
     key_mask = prefix_key_mask(target, cond_mask, use_cfg)
@@ -166,6 +194,7 @@ def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: S
     pos = torch.arange(C, device=dev)
     out = target(prefix, pos, mask=step_mask(target, pos, key_mask), taps=taps)
     _, p0 = probs_of(out.logits[:, -1])
+    p0 = force_tokens(p0[:, None], torch.zeros(B, 1, dtype=torch.long, device=dev), forced)[:, 0]
     tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
     tokens[:, 0] = draw(p0)
     n = torch.ones(B, dtype=torch.long, device=dev)  # tokens emitted per row
@@ -182,14 +211,17 @@ def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: S
         base = (C + n - 1).clamp(max=Lt - N - 2)  # the root's slot (finished rows idle at the end)
         # ---- draft
         root_logp = guided(root_logits, sampling).log_softmax(-1)  # (B, V): scores use the raw guided drafter
+        root_logp = force_tokens(root_logp[:, None], n[:, None], forced, log=True)[:, 0]
         if spec.tree == "chain":
-            tree = _draft_chain(drafter, root_logp, root_hidden, n, spec.depth, C, use_cfg, sampling, max_pos)
+            tree = _draft_chain(drafter, root_logp, root_hidden, n, spec.depth, C, use_cfg, sampling, max_pos,
+                                forced)
         else:
-            tree = _draft_tree(drafter, root_logp, root_hidden, n, spec, C, use_cfg, sampling, max_pos)
+            tree = _draft_tree(drafter, root_logp, root_hidden, n, spec, C, use_cfg, sampling, max_pos, forced)
         # ---- verify: one target forward over root + tree, per-row slots and tree mask
         out = tree_forward(target, tokens[ar, n - 1], tree, base, key_mask, use_cfg, taps)
         forwards += 1
         g_logits, p = probs_of(out.logits)  # (B, S, V)
+        p = force_tokens(p, n[:, None] + torch.cat([torch.zeros_like(tree.depth[:, :1]), tree.depth], 1), forced)
         verdict = verifier(verify.VerifyContext(p, tree, logits=g_logits, geometry=geometry, options=options),
                            generator)
         m = verdict.n_accepted  # (B,)
@@ -257,14 +289,14 @@ def tree_forward(target: Transformer, root: Tensor, tree, base: Tensor, key_mask
     return target(x, _dup(slots, use_cfg), mask=_dup(mask, use_cfg), rope_pos=_dup(rope, use_cfg), taps=taps)
 
 
-def _draft_tree(drafter, root_logp, root_hidden, n, spec: SpecConfig, C, use_cfg, sampling, max_pos):
-    """EAGLE-2/3 dynamic tree: expansions are drafter pairs written after the committed ones (slot n + level*k + i)
-    that see the committed pairs and their own ancestors' pairs."""
+def _draft_tree(drafter, root_logp, root_hidden, n, spec: SpecConfig, C, use_cfg, sampling, max_pos, forced=None):
+    """EAGLE-2/3 dynamic tree (or a static one): expansions are drafter pairs written after the committed ones
+    (slots n, n + 1, ... in expansion order) that see the committed pairs and their own ancestors' pairs."""
     B = root_logp.shape[0]
     dev = root_logp.device
     Ld = drafter.cache_length
     GB = root_hidden.shape[0]
-    state = {"level": 0, "slot_of": torch.zeros(B, 0, dtype=torch.long, device=dev),
+    state = {"used": 0, "slot_of": torch.zeros(B, 0, dtype=torch.long, device=dev),
              "hid_of": torch.zeros(GB, 0, root_hidden.shape[-1], device=dev)}
 
     def expand(tree, pick):
@@ -273,7 +305,7 @@ def _draft_tree(drafter, root_logp, root_hidden, n, spec: SpecConfig, C, use_cfg
                                                           device=dev)], 1)
         hid_of = torch.cat([state["hid_of"], torch.zeros(GB, M - state["hid_of"].shape[1], root_hidden.shape[-1],
                                                          device=dev)], 1)
-        slots = n[:, None] + state["level"] * spec.top_k + torch.arange(k, device=dev)  # (B, k)
+        slots = n[:, None] + state["used"] + torch.arange(k, device=dev)  # (B, k)
         slot_of.scatter_(1, pick, slots)
         anc = tree.ancestor_mask().gather(1, pick[..., None].expand(-1, -1, M))  # (B, k, M) incl. self
         cols = torch.where(anc & (slot_of[:, None, :] >= 0), slot_of[:, None, :].expand(-1, k, -1),
@@ -284,19 +316,22 @@ def _draft_tree(drafter, root_logp, root_hidden, n, spec: SpecConfig, C, use_cfg
         mask[:, :, Ld - 1] = False  # the junk slot is never attended
         parent = tree.parents.gather(1, pick)  # (B, k)
         in_hid = torch.where(_dup(parent, use_cfg)[..., None] < 0, root_hidden.expand(-1, k, -1),
-                             hid_of.gather(1, _dup(parent.clamp(min=0), use_cfg)[..., None].expand(-1, -1, hid_of.shape[-1])))
+                             hid_of.gather(1, _dup(parent.clamp(min=0), use_cfg)[..., None]
+                                           .expand(-1, -1, hid_of.shape[-1])))
         depth = tree.depth.gather(1, pick)
         rope = (C + n[:, None] - 1 + depth).clamp(max=max_pos)
         out = drafter(_dup(tree.tokens.gather(1, pick), use_cfg), in_hid, input_pos=_dup(slots, use_cfg),
                       mask=_dup(mask, use_cfg), rope_pos=_dup(rope, use_cfg))
         hid_of.scatter_(1, _dup(pick, use_cfg)[..., None].expand(-1, -1, hid_of.shape[-1]), out.hidden)
-        state.update(level=state["level"] + 1, slot_of=slot_of, hid_of=hid_of)
-        return guided(out.logits, sampling).log_softmax(-1)
+        state.update(used=state["used"] + k, slot_of=slot_of, hid_of=hid_of)
+        return force_tokens(guided(out.logits, sampling).log_softmax(-1), n[:, None] + depth, forced, log=True)
 
+    if spec.tree == "static":
+        return static_tree(root_logp, expand, static_choices(spec.depth, spec.top_k, spec.total_tokens))
     return dynamic_tree(root_logp, expand, spec.depth, spec.top_k, spec.total_tokens)
 
 
-def _draft_chain(drafter, root_logp, root_hidden, n, depth, C, use_cfg, sampling, max_pos):
+def _draft_chain(drafter, root_logp, root_hidden, n, depth, C, use_cfg, sampling, max_pos, forced=None):
     """A chain: the drafter's argmax, `depth` times (pairs at slots n, n+1, ...)."""
     B, dev = root_logp.shape[0], root_logp.device
     Ld = drafter.cache_length
@@ -316,7 +351,8 @@ def _draft_chain(drafter, root_logp, root_hidden, n, depth, C, use_cfg, sampling
         out = drafter(_dup(tok[:, None], use_cfg), hid, input_pos=_dup(slot, use_cfg), mask=_dup(mask, use_cfg),
                       rope_pos=_dup(rope, use_cfg))
         hid = out.hidden
-        logp = guided(out.logits[:, 0], sampling).log_softmax(-1)
+        logp = force_tokens(guided(out.logits[:, 0], sampling).log_softmax(-1)[:, None], (n + i + 1)[:, None], forced,
+                            log=True)[:, 0]
         qs.append(logp.exp())
     qs += [torch.zeros_like(qs[0])] * (depth + 1 - len(qs))
     return chain(torch.stack(toks, 1), torch.stack(scores, 1), torch.stack(qs, 1))
@@ -325,11 +361,13 @@ def _draft_chain(drafter, root_logp, root_hidden, n, depth, C, use_cfg, sampling
 @torch.no_grad()
 def jacobi_generate(target: Transformer, cond: Tensor, sampling: SamplingConfig, verifier: str = "sjd",
                     window: int = 16, generator: Optional[torch.Generator] = None, num_tokens: Optional[int] = None,
-                    cond_mask: Optional[Tensor] = None, geometry=None, options: Optional[dict] = None):
+                    cond_mask: Optional[Tensor] = None, geometry=None, options: Optional[dict] = None,
+                    forced: Optional[Tensor] = None):
     """Drafter-free speculative decoding (SJD; GSD with verifier="gsd"): a window of `window` draft tokens (new
     positions start uniformly random) is refined by the target itself. Each iteration feeds [last token, drafts]
     in one forward; drafts are verified against the distributions they were drawn from; the drafts after the
     first rejection are re-drawn from this iteration's distributions (Jacobi), and the window is refilled.
+    forced: (T,) grammar tokens, -1 = free (force_tokens).
     Returns (tokens (B, T), {"forwards", "rounds", "tau", "accept_lengths"})."""
     cfg = target.config
     T = num_tokens or cfg.block_size
@@ -346,6 +384,8 @@ def jacobi_generate(target: Transformer, cond: Tensor, sampling: SamplingConfig,
 
     tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
     tokens[:, 0] = prefill(target, prefix_embeddings(target, cond, use_cfg), sampling, generator, key_mask)
+    if forced is not None and int(forced[0]) >= 0:
+        tokens[:, 0] = forced[0]
     n = torch.ones(B, dtype=torch.long, device=dev)
     q = torch.full((B, L, V), 1.0 / V, device=dev)  # what each draft was drawn from
     drafts = sample_from(q, generator)
@@ -358,6 +398,7 @@ def jacobi_generate(target: Transformer, cond: Tensor, sampling: SamplingConfig,
         out = tree_forward(target, tokens[ar, n - 1], tree, base, key_mask, use_cfg)
         forwards += 1
         g_logits, p = probs_of(out.logits)  # (B, L + 1, V): row i = distribution of draft i's position
+        p = force_tokens(p, n[:, None] + torch.arange(L + 1, device=dev), forced)
         v = fn(verify.VerifyContext(p, tree, logits=g_logits, sampled_siblings=True, geometry=geometry,
                                     options=options), generator)
         m = v.n_accepted
@@ -380,23 +421,24 @@ def jacobi_generate(target: Transformer, cond: Tensor, sampling: SamplingConfig,
 
 def decoder(target: Transformer, method: str = "vanilla", drafter=None, spec: Optional[SpecConfig] = None,
             window: int = 16, geometry=None, options: Optional[dict] = None) -> Callable:
-    """The Python API behind `lisa sample --method`: a function (cond, sampling, generator, cond_mask=None) ->
-    (tokens (B, T), stats) decoding with `method`: "vanilla", or a verifier name (greedy / exact / lantern / ...
+    """The Python API behind `lisa sample --method`: a function (cond, sampling, generator, cond_mask=None,
+    forced=None) -> (tokens (B, T), stats) decoding with `method`: "vanilla", or a verifier name (greedy / exact / lantern / ...
     with an EAGLE-3 `drafter` and a `spec` tree; sjd / gsd run drafter-free over a `window`). Relaxed verifiers
     read `geometry` (lisa.verify.Geometry) and their knobs from `options`. stats holds "forwards" and, for the
     speculative methods, "tau" and the per-round "accept_lengths"."""
     if method == "vanilla":
-        return lambda c, s, g, cond_mask=None: generate(target, c, s, g, cond_mask=cond_mask)
+        return lambda c, s, g, cond_mask=None, forced=None: generate(target, c, s, g, cond_mask=cond_mask,
+                                                                      forced=forced)
     if method not in verify.VERIFIERS:
         raise ValueError(f"decoding method {method!r}: not 'vanilla' nor a verifier {sorted(verify.VERIFIERS)}")
     if method in ("sjd", "gsd"):
-        return lambda c, s, g, cond_mask=None: jacobi_generate(target, c, s, method, window, g, cond_mask=cond_mask,
-                                                               geometry=geometry, options=options)
+        return lambda c, s, g, cond_mask=None, forced=None: jacobi_generate(
+            target, c, s, method, window, g, cond_mask=cond_mask, geometry=geometry, options=options, forced=forced)
     if drafter is None:
         raise ValueError(f"decoding method {method!r} verifies a drafter's trees: give a drafter "
                          "(`lisa train-drafter`)")
     spec = spec or SpecConfig(method)
     if spec.verifier != method:
         spec = SpecConfig(method, spec.tree, spec.depth, spec.top_k, spec.total_tokens)
-    return lambda c, s, g, cond_mask=None: speculative_generate(target, drafter, c, s, spec, g, cond_mask=cond_mask,
-                                                                geometry=geometry, options=options)
+    return lambda c, s, g, cond_mask=None, forced=None: speculative_generate(
+        target, drafter, c, s, spec, g, cond_mask=cond_mask, geometry=geometry, options=options, forced=forced)

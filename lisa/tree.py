@@ -1,4 +1,5 @@
-"""Draft trees: structure, attention masks, positions, root-to-leaf paths, and the EAGLE-2/3 dynamic expansion.
+"""Draft trees: structure, attention masks, positions, root-to-leaf paths; the EAGLE-2/3 dynamic expansion, static
+trees (a fixed shape of child ranks, Medusa / EAGLE-1) and plain chains.
 
 A tree holds N draft nodes per batch row under an implicit root (the last accepted token, index -1). Rows of a
 batch have the same N but their own tokens and shapes. Node arrays are in breadth-first order (a parent comes
@@ -13,6 +14,7 @@ before its children), which every function here relies on.
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -109,6 +111,63 @@ def dynamic_tree(root_logprobs: Tensor, expand: Callable[[Tree, Tensor], Tensor]
     rank = scores - 1e-6 * depths  # ties (a child with log-prob 0) never outrank their parent
     keep = rank.topk(min(total_tokens, tokens.shape[1]), dim=-1).indices.sort(dim=-1).values  # (B, N), BFS order
     return select(Tree(tokens, parents, depths, scores, torch.cat([q_rows[0][:, None], q_nodes], 1)), keep)
+
+
+def static_choices(depth: int, top_k: int, total_tokens: int) -> list[tuple[int, ...]]:
+    """A fixed tree shape (Medusa / EAGLE-1 "choices"): each node is the path of child ranks from the root, e.g.
+    (0, 1) = the second most likely child of the most likely first token. Takes the `total_tokens` paths of
+    smallest rank sum (then shorter, then lexicographic) with ranks < top_k and length <= depth: prefix-closed,
+    since a prefix never sorts after its extension."""
+    heap = [(r, 1, (r,)) for r in range(top_k)]
+    heapq.heapify(heap)
+    out = []
+    while heap and len(out) < total_tokens:
+        s, n, path = heapq.heappop(heap)
+        out.append(path)
+        if n < depth:
+            for r in range(top_k):
+                heapq.heappush(heap, (s + r, n + 1, path + (r,)))
+    return out
+
+
+def static_tree(root_logprobs: Tensor, expand: Callable[[Tree, Tensor], Tensor],
+                choices: list[tuple[int, ...]]) -> Tree:
+    """A static tree: the same shape every round (`choices`, see static_choices), filled with the drafter's ranked
+    tokens. Level by level, the nodes that have children are expanded with `expand(tree, nodes)` as in
+    dynamic_tree; node path[-1] is its parent's child of that rank. No reranking; `q` as in dynamic_tree."""
+    paths = sorted({tuple(int(r) for r in p) for p in choices}, key=lambda p: (len(p), p))  # breadth-first
+    index = {p: i for i, p in enumerate(paths)}
+    missing = [p for p in paths if len(p) > 1 and p[:-1] not in index]
+    if not paths or missing or min(min(p) for p in paths) < 0:
+        raise ValueError(f"static tree choices must be non-empty, non-negative and prefix-closed; "
+                         f"missing parents of {missing[:3]}")
+    B, V = root_logprobs.shape
+    dev = root_logprobs.device
+    N = len(paths)
+    tokens = torch.zeros(B, N, dtype=torch.long, device=dev)
+    scores = torch.zeros(B, N, device=dev)
+    parents = torch.tensor([index[p[:-1]] if len(p) > 1 else -1 for p in paths], device=dev).expand(B, N).clone()
+    depths = torch.tensor([len(p) for p in paths], device=dev).expand(B, N).clone()
+    q = torch.zeros(B, N + 1, V, device=dev)
+    q[:, 0] = root_logprobs.exp()
+    logp_of = {(): root_logprobs}
+    for level in range(1, max(len(p) for p in paths) + 1):
+        nodes = [p for p in paths if len(p) == level]
+        if level > 1:
+            parent_paths = sorted({p[:-1] for p in nodes}, key=lambda p: index[p])
+            pick = torch.tensor([index[p] for p in parent_paths], device=dev).expand(B, -1)
+            built = index[nodes[0]]  # nodes of the earlier levels: a prefix of the arrays
+            logp = expand(Tree(tokens[:, :built], parents[:, :built], depths[:, :built], scores[:, :built]), pick)
+            for j, p in enumerate(parent_paths):
+                logp_of[p] = logp[:, j]
+                q[:, index[p] + 1] = logp[:, j].exp()
+        for p in nodes:
+            parent = logp_of[p[:-1]]
+            top, idx = parent.topk(p[-1] + 1, dim=-1)
+            i = index[p]
+            tokens[:, i] = idx[:, -1]
+            scores[:, i] = top[:, -1] + (scores[:, index[p[:-1]]] if level > 1 else 0.0)
+    return Tree(tokens, parents, depths, scores, q)
 
 
 def select(tree: Tree, keep: Tensor) -> Tree:

@@ -11,6 +11,7 @@ from tests.helpers import micro_gpt
 METHODS = [
     BenchMethod("vanilla"),
     BenchMethod("exact-tree", "exact", "dynamic", depth=3, top_k_draft=2, total_tokens=5),
+    BenchMethod("exact-static", "exact", "static", depth=3, top_k_draft=2, total_tokens=5),
     BenchMethod("exact-chain", "exact", "chain", depth=3),
     BenchMethod("greedy-auto", "greedy", "auto", top_k_draft=2),
     BenchMethod("lantern", "lantern", "dynamic", depth=3, top_k_draft=2, total_tokens=5, options={"k": 3, "delta": 0.2}),

@@ -13,7 +13,7 @@ def pair(target):
     return build_drafter(DrafterConfig.for_target(target.config)).eval()
 
 
-@pytest.mark.parametrize("tree", ["dynamic", "chain"])
+@pytest.mark.parametrize("tree", ["dynamic", "static", "chain"])
 @pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
 def test_greedy_speculative_equals_vanilla_c2i(tree, cfg_scale):
     torch.manual_seed(0)
@@ -105,7 +105,8 @@ def test_sjd_sampling_matches_the_target_joint():
     assert_follows(out, target_joint(target, s, V), V)
 
 
-def test_exact_speculative_sampling_matches_the_target_joint():
+@pytest.mark.parametrize("tree", ["dynamic", "static"])
+def test_exact_speculative_sampling_matches_the_target_joint(tree):
     """End to end: 3-token sequences from the loop (tree drafts, exact verification, CFG, top-k) follow the
     target's joint distribution, computed exactly by enumerating every prefix (chi-square over 4^3 cells)."""
     torch.manual_seed(1)
@@ -114,7 +115,7 @@ def test_exact_speculative_sampling_matches_the_target_joint():
     drafter = pair(target)
     s = SamplingConfig(temperature=1.0, top_k=3, cfg_scale=2.0)
     cond = torch.full((B,), 5)
-    spec = SpecConfig(verifier="exact", depth=2, top_k=2, total_tokens=4)
+    spec = SpecConfig(verifier="exact", tree=tree, depth=2, top_k=2, total_tokens=4)
     out, stats = speculative_generate(target, drafter, cond, s, spec, torch.Generator().manual_seed(0), num_tokens=3)
     assert stats["tau"] > 1.0
     assert_follows(out, target_joint(target, s, V), V)
@@ -153,3 +154,39 @@ def test_sample_stage_takes_a_method(tmp_path):
     with pytest.raises(ValueError, match="not 'vanilla' nor a verifier"):
         stages.sample(where["target"] / stages.TARGET_FILE, where["tokenizer"] / stages.TOKENIZER_FILE, world,
                       dataclasses.replace(p.sample, method="magic"), tmp_path / "x")
+
+
+def test_forced_grammar_tokens_every_method():
+    """Grammar tokens (say an end-of-line token 7 after every row of 4) appear exactly where forced, with vanilla,
+    speculative (tree and chain) and Jacobi decoding; greedy speculative still equals greedy vanilla."""
+    from lisa.generate import jacobi_generate
+    from lisa.verify import Geometry
+
+    torch.manual_seed(0)
+    target = micro_gpt(vocab_size=8)
+    drafter = pair(target)
+    forced = torch.full((16,), -1, dtype=torch.long)
+    forced[3::4] = 7
+    cond = torch.tensor([0, 3, 5])
+    at = forced >= 0
+    for sampling in (SamplingConfig(temperature=0.0, cfg_scale=2.0), SamplingConfig(temperature=1.0, cfg_scale=2.0)):
+        gen = torch.Generator().manual_seed(1)
+        ref, _ = generate(target, cond, sampling, gen, forced=forced)
+        outs = [ref]
+        for spec in (SpecConfig("exact", "dynamic", 3, 2, 6), SpecConfig("greedy", "chain", 3),
+                     SpecConfig("lantern", "dynamic", 3, 2, 6)):
+            if spec.verifier == "greedy" and not sampling.greedy:
+                continue
+            out, _ = speculative_generate(target, drafter, cond, sampling, spec, gen, forced=forced,
+                                          geometry=Geometry.from_codebook(torch.randn(8, 4), 4), options={"k": 3})
+            outs.append(out)
+        for v in ("sjd", "gsd"):
+            out, _ = jacobi_generate(target, cond, sampling, v, 4, gen, forced=forced,
+                                     geometry=Geometry.from_codebook(torch.randn(8, 4), 4))
+            outs.append(out)
+        for out in outs:
+            assert (out[:, at] == 7).all()
+            if sampling.greedy:
+                assert torch.equal(out, ref)
+        # free positions keep sampling the model (7 is not forced elsewhere, and other tokens do appear there)
+        assert (ref[:, ~at] != 7).any()

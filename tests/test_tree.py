@@ -1,4 +1,5 @@
-"""Draft trees: masks, paths, chains, and the dynamic (EAGLE-2/3) expansion."""
+"""Draft trees: masks, paths, chains, the dynamic (EAGLE-2/3) expansion and static trees."""
+import pytest
 import torch
 
 from lisa.tree import Tree, chain, dynamic_tree, select
@@ -99,3 +100,28 @@ def test_ancestor_mask_on_random_trees():
                     node = int(parents[b, node])
         tree = Tree(torch.zeros(B, N, dtype=torch.long), parents, depth, torch.zeros(B, N))
         assert torch.equal(tree.ancestor_mask(), ref)
+
+
+def test_static_choices_and_tree():
+    from lisa.tree import static_choices, static_tree
+
+    ch = static_choices(depth=3, top_k=3, total_tokens=8)
+    assert ch[:4] == [(0,), (0, 0), (0, 0, 0), (1,)] and len(ch) == 8
+    assert all(p[:-1] in ch for p in ch if len(p) > 1)  # prefix-closed
+    assert len(static_choices(2, 2, 100)) == 6  # every path of ranks < 2, depth <= 2
+    gen = torch.Generator().manual_seed(0)
+    root = torch.randn(2, 6, generator=gen).log_softmax(-1)
+    calls = []
+
+    def expand(tree, pick):
+        calls.append(pick.shape[1])
+        return torch.randn(2, pick.shape[1], 6, generator=gen).log_softmax(-1)
+
+    tree = static_tree(root, expand, [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+    assert tree.tokens[:, 0].tolist() == root.argmax(-1).tolist()
+    assert tree.tokens[:, 1].tolist() == root.topk(2).indices[:, 1].tolist()
+    assert tree.parents[0].tolist() == [-1, -1, 0, 0, 1, 2] and tree.depth[0].tolist() == [1, 1, 2, 2, 2, 3]
+    assert calls == [2, 1]  # level 2 expands nodes (0,) and (1,); level 3 expands (0, 0)
+    assert torch.allclose(tree.q[:, 0], root.exp()) and (tree.scores[:, 2] < tree.scores[:, 0]).all()
+    with pytest.raises(ValueError, match="prefix-closed"):
+        static_tree(root, expand, [(0,), (1, 0)])
