@@ -131,6 +131,16 @@ def cmd_train_drafter(a):
                          a.out or where["drafter"], where["drafter_report"], where["drafter_work"])
 
 
+def cmd_cache_logits(a):
+    from lisa.stages import CODES_FILE, TARGET_FILE, cache_logits, layout
+
+    p = load_params(a.params)
+    p.world(a.world)
+    where = layout(a.world)
+    return cache_logits(a.codes or where["codes"] / CODES_FILE, a.target or where["target"] / TARGET_FILE,
+                        p.cache_logits, a.out or where["cache"], a.report or where["cache_report"])
+
+
 def cmd_bench(a):
     from lisa.stages import DRAFTER_FILE, TARGET_FILE, TOKENIZER_FILE, bench, bench_spec, layout
 
@@ -200,6 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--target", default=None, help="target .safetensors (default: data/target/<world>/...)")
     stage("train-drafter", cmd_train_drafter, "train the baseline EAGLE-3 drafter of a world's target (TTT, "
           "resumable) -> data/drafter/<world>/drafter.safetensors, reports/drafter/<world>.json")
+    s = stage("cache-logits", cmd_cache_logits, "the target logit cache: top-K logits, logsumexp, entropy and "
+              "margin per position of a teacher-forced pass over the world's training codes, as Parquet shards "
+              "(resumable; under torchrun each rank writes its shards) -> data/cache/<world>/, reports/cache/<world>.json")
+    s.add_argument("--codes", default=None, help="codes .safetensors (default: data/codes/<world>/...)")
+    s.add_argument("--target", default=None, help="target .safetensors (default: data/target/<world>/...)")
+    s.add_argument("--report", default=None, help="metrics JSON (default: reports/cache/<world>.json)")
     s = stage("bench", cmd_bench, "decode speed. With --world: every method of params bench_spec (vanilla, "
               "exact tree / chain, lantern, sjd, gsd, auto trees) on the world's target and drafter, same "
               "conditions and seeds -> reports/bench/<world>.{json,md,png}; without: vanilla loop of a "

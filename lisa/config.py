@@ -155,6 +155,16 @@ class TrainJudgeParams(TrainParams):
 
 
 @dataclass(config=STRICT)
+class CacheLogitsParams:
+    """The target logit cache (lisa/cache.py): a teacher-forced pass over a world's training codes -> Parquet."""
+    K: int = 64  # top-K logits kept per position
+    max_sequences: Optional[int] = 4096  # the first N training sequences (None = all)
+    shard_size: int = 512  # sequences per shard (the unit of resumption and of work per torchrun rank)
+    batch_size: int = 64
+    uncond_every: int = 10  # every 10th sequence also gets an unconditional pass (CFG-aware drafters)
+
+
+@dataclass(config=STRICT)
 class QualityParams:
     """FID / KID settings shared by `fid-reference` and `evaluate` (lisa/fid.py, lisa/quality.py)."""
     max_images: int = 2000  # size of each reference set (held-out capped at its split size) and of unigram samples
@@ -232,6 +242,7 @@ class Params:
     premise: PremiseParams = Field(default_factory=PremiseParams)
     train_judge: TrainJudgeParams = Field(default_factory=TrainJudgeParams)
     train_drafter: TrainDrafterParams = Field(default_factory=TrainDrafterParams)
+    cache_logits: CacheLogitsParams = Field(default_factory=CacheLogitsParams)
     quality: QualityParams = Field(default_factory=QualityParams)
     evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
     bench: BenchParams = Field(default_factory=BenchParams)

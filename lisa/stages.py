@@ -17,15 +17,17 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from lisa import data, fid, judges, quality
+from lisa import cache, data, fid, judges, quality
 from lisa.bench import auto_tree, bench_speculative, bench_vanilla, markdown_table, speculative_markdown
 from lisa.checkpoint import atomic_write, file_sha256, load_artifact, read_state_dict, save_artifact, write_json
 from lisa.config import (AutoTreeParams, BenchMethod, BenchParams, BenchSpecParams, BuildDatasetParams,
-                         EncodeParams, EvaluateParams, InitTargetParams, InitTokenizerParams, PremiseParams,
-                         QualityParams, SampleParams, TrainDrafterParams, TrainJudgeParams, TrainTargetParams, TrainTokenizerParams, WorldParams)
+                         CacheLogitsParams, EncodeParams, EvaluateParams, InitTargetParams, InitTokenizerParams,
+                         PremiseParams, QualityParams, SampleParams, TrainDrafterParams, TrainJudgeParams,
+                         TrainTargetParams, TrainTokenizerParams, WorldParams)
 from lisa.generate import generate
 from lisa.images import save_grid
 from lisa.load import import_llamagen_gpt, import_llamagen_vq, load_target, load_tokenizer
@@ -68,6 +70,8 @@ def layout(world: str, root: str | Path = ".") -> dict[str, Path]:
         "drafter": root / "data" / "drafter" / world,
         "drafter_work": root / "data" / "work" / "drafter" / world,
         "drafter_report": root / "reports" / "drafter" / f"{world}.json",
+        "cache": root / "data" / "cache" / world,
+        "cache_report": root / "reports" / "cache" / f"{world}.json",
     }
 
 
@@ -620,3 +624,33 @@ def train_drafter(codes_path: str | Path, target_path: str | Path, p: TrainDraft
                                                  "codes": str(codes_path)}, extra={"metrics": metrics})
     write_json(report, metrics)
     return metrics | {"sha256": meta["sha256"]}
+
+
+def cache_logits(codes_path: str | Path, target_path: str | Path, p: CacheLogitsParams, out_dir: str | Path,
+                 report: str | Path) -> dict:
+    """The target logit cache of a world's training codes (lisa/cache.py). Under torchrun each rank writes its
+    shards (gloo or nccl process group for the final barrier); rank 0 writes the manifest and the report."""
+    rank, world_size = cache.dist_env()
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    target, target_meta = load_target(target_path)
+    d = load_codes(codes_path, target.config.model_type)
+    n = len(d["train_tokens"]) if p.max_sequences is None else min(p.max_sequences, len(d["train_tokens"]))
+    tokens, cond = d["train_tokens"][:n], d["train_cond"][:n]
+    spec = cache.CacheSpec(p.K, p.shard_size, p.batch_size, p.uncond_every)
+    t0 = time.perf_counter()
+    cache.write_cache(target, target_meta["sha256"], tokens, cond, spec, out_dir, rank, world_size)
+    elapsed = time.perf_counter() - t0
+    if world_size > 1:
+        dist.barrier()
+    if rank != 0:
+        return {"rank": rank}
+    manifest = cache.write_manifest(out_dir, target_meta["sha256"], spec, n, tokens.shape[1],
+                                    extra={"codes": str(codes_path), "codes_sha256": file_sha256(codes_path)})
+    metrics = {"sequences": n, "tokens": manifest["tokens"], "bytes": manifest["bytes"],
+               "bytes_per_token": manifest["bytes_per_token"], "K": p.K, "workers": world_size,
+               "write_s": elapsed, "write_tokens_per_s": manifest["tokens"] / elapsed,
+               "target_sha256": target_meta["sha256"]}
+    metrics |= cache.throughput(target, tokens, cond, spec)
+    write_json(report, metrics)
+    return metrics

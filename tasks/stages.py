@@ -108,6 +108,14 @@ def bench(params_path: str, root: str = ".") -> dict:
     return stages.bench(load_params(params_path).bench, stages.layout("-", root)["bench"])
 
 
+@task(name="cache-logits")
+def cache_logits(params_path: str, world: str, root: str = ".") -> dict:
+    p = load_params(params_path)
+    where = stages.layout(world, root)
+    return stages.cache_logits(where["codes"] / stages.CODES_FILE, where["target"] / stages.TARGET_FILE,
+                               p.cache_logits, where["cache"], where["cache_report"])
+
+
 @task(name="bench-spec")
 def bench_spec(params_path: str, world: str, root: str = ".") -> dict:
     p = load_params(params_path)

@@ -14,9 +14,9 @@ from lisa.config import profile_text
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 STAGES = ["build-dataset", "train-tokenizer", "encode", "train-target", "init-tokenizer", "init-target", "sample",
-          "premise", "fid-reference", "train-judge", "evaluate", "train-drafter", "bench"]
+          "premise", "fid-reference", "train-judge", "evaluate", "train-drafter", "cache-logits", "bench"]
 DAG = ["build-dataset", "train-tokenizer", "encode", "train-target", "sample", "premise", "fid-reference",
-       "train-judge", "evaluate", "train-drafter", "bench-spec", "bench"]
+       "train-judge", "evaluate", "train-drafter", "cache-logits", "bench-spec", "bench"]
 
 
 def micro_repo(tmp_path: Path) -> Path:
@@ -80,6 +80,8 @@ def test_dvc_repro_micro(tmp_path):
                                                          "lantern", "sjd", "gsd"]
         assert all(m["tau"] >= 1.0 and m["speedup"] > 0 for m in spec["methods"])
         assert (repo / f"reports/bench/{world}.png").stat().st_size > 0
+        c = json.loads((repo / f"reports/cache/{world}.json").read_text())
+        assert c["tokens"] == (48 + 12) * 16 and c["bytes_per_token"] > 0 and c["target_sha256"] == target_sha
         assert "| exact-auto |" in (repo / f"reports/bench/{world}.md").read_text()
     bench = json.loads((repo / "reports/bench/vanilla.json").read_text())
     assert [r["cfg_scale"] for r in bench["rows"]] == [1.0, 2.0] and all(r["tokens_per_s"] > 0 for r in bench["rows"])
@@ -109,6 +111,7 @@ def test_prefect_flow_micro(tmp_path):
     assert [r["cfg_scale"] for r in metrics["bench"]["rows"]] == [1.0, 2.0]
     assert metrics["emoji-t2i"]["bench_spec"]["vanilla"]["speedup"] == 1.0
     assert (repo / "data/drafter/fashion-c2i/drafter.safetensors").is_file()
+    assert metrics["emoji-t2i"]["cache"]["sequences"] == 48 and (repo / "data/cache/emoji-t2i/manifest.json").is_file()
 
 
 def test_stages_import_an_official_checkpoint(tmp_path):
