@@ -57,6 +57,7 @@ class LIDTerms:
     weight: Tensor  # (N,)
     alpha: Tensor  # (N,)
     in_hood: Tensor  # (N,) bool: the drafter's top-1 inside the neighbourhood
+    per_position: Tensor  # (N,) weighted CE + KD of each position, scaled so that its mean is `loss`
 
 
 def neighbourhood(topk_idx: Tensor, topk_p: Tensor, codebook_n: Tensor, top_kc: int, radius: float) -> Tensor:
@@ -109,4 +110,6 @@ def lid_loss(drafter_logits: Tensor, topk_idx: Tensor, topk_logit: Tensor, lse: 
     wsum = weight.sum().clamp(min=1e-12)
     l_ce = (weight * ce).sum() / wsum
     l_kd = cfg.tau_s**2 * (weight * kl).sum() / wsum
-    return LIDTerms(cfg.lambda_ce * l_ce + cfg.lambda_kd * l_kd, l_ce, l_kd, selected, gate, weight, alpha, in_hood)
+    per = weight / weight.mean().clamp(min=1e-12) * (cfg.lambda_ce * ce + cfg.lambda_kd * cfg.tau_s**2 * kl)
+    return LIDTerms(cfg.lambda_ce * l_ce + cfg.lambda_kd * l_kd, l_ce, l_kd, selected, gate, weight, alpha, in_hood,
+                    per)

@@ -16,6 +16,7 @@ layer makes it cheap). The LISA loss (locality-informed distillation) plugs in l
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -53,15 +54,54 @@ def soft_ce(target_probs: Tensor, logits: Tensor) -> Tensor:
     return -(target_probs * logits.log_softmax(-1)).sum(-1)
 
 
+@dataclass
+class CachedTargets:
+    """The target's distributions as a logit cache holds them (lisa.cache): top-K ids / logits, logsumexp."""
+    topk_idx: Tensor  # (B, T, K)
+    topk_logit: Tensor  # (B, T, K)
+    lse: Tensor  # (B, T)
+
+    def __getitem__(self, key) -> "CachedTargets":
+        return CachedTargets(self.topk_idx[key], self.topk_logit[key], self.lse[key])
+
+    def argmax(self, dim: int = -1) -> Tensor:
+        return self.topk_idx[..., 0]
+
+    def probs(self) -> Tensor:
+        return (self.topk_logit - self.lse[..., None]).exp()
+
+
+def cached_soft_ce(target: CachedTargets, logits: Tensor) -> Tensor:
+    """The baseline loss on cached labels: soft CE over the target's top-K (the tail is not cached)."""
+    return -(target.probs() * logits.log_softmax(-1).gather(-1, target.topk_idx)).sum(-1)
+
+
+def lid_loss_fn(codebook: Tensor, cfg, step: int) -> Callable[[CachedTargets, Tensor], Tensor]:
+    """LISA's locality-informed distillation (lisa.distill) as a per-position loss for ttt_losses: each
+    position's weighted CE + KD, scaled so that its mean is the LID loss of the batch."""
+    from lisa.distill import lid_loss
+
+    def fn(target: CachedTargets, logits: Tensor) -> Tensor:
+        shape = logits.shape[:-1]
+        out = lid_loss(logits.reshape(-1, logits.shape[-1]), target.topk_idx.reshape(-1, target.topk_idx.shape[-1]),
+                       target.topk_logit.reshape(-1, target.topk_logit.shape[-1]), target.lse.reshape(-1), codebook,
+                       cfg, step)
+        return out.per_position.reshape(shape)
+
+    return fn
+
+
 @torch.no_grad()
 def target_features(target: Transformer, cond: Tensor, tokens: Tensor, drop: Optional[Tensor], taps) -> tuple:
     out = target.teacher_forced(cond, tokens, drop, taps=taps)
     return out.hidden, out.logits.softmax(-1)  # taps (B, T, H) each; p (B, T, V): p[:, t] is token t's
 
 
-def ttt_losses(drafter: Eagle3Drafter, hidden, target_p: Tensor, tokens: Tensor, steps: int, C: int,
-               loss_fn: Callable[[Tensor, Tensor], Tensor] = soft_ce) -> list[Tensor]:
-    """Mean loss of each TTT step (list of `steps` scalars), and per-step top-1 agreement in `drafter.last_acc`."""
+def ttt_losses(drafter: Eagle3Drafter, hidden, target_p, tokens: Tensor, steps: int, C: int,
+               loss_fn: Callable = soft_ce) -> list[Tensor]:
+    """Mean loss of each TTT step (list of `steps` scalars), and per-step top-1 agreement in `drafter.last_acc`.
+    target_p: the target's distributions (B, T, V), or CachedTargets (labels from a logit cache, with a loss_fn
+    that reads them: cached_soft_ce or lid_loss_fn)."""
     B, T = tokens.shape
     dev = tokens.device
     mask = ttt_mask(T, steps, dev)
@@ -89,8 +129,14 @@ def ttt_losses(drafter: Eagle3Drafter, hidden, target_p: Tensor, tokens: Tensor,
 
 def train_drafter(drafter: Eagle3Drafter, target: Transformer, tokens: Tensor, cond: Tensor, test_tokens: Tensor,
                   test_cond: Tensor, cfg, work_dir: str | Path, progress: bool = True,
-                  loss_fn: Callable[[Tensor, Tensor], Tensor] = soft_ce) -> dict:
-    """Train on (tokens (N, T), cond); resumable from work_dir/resume.pt. Returns held-out TTT metrics."""
+                  loss_fn: Callable[[Tensor, Tensor], Tensor] = soft_ce, cache=None,
+                  lid: Optional[tuple] = None) -> dict:
+    """Train on (tokens (N, T), cond); resumable from work_dir/resume.pt. Returns held-out TTT metrics.
+
+    cache: a lisa.cache.LogitCache of this target over (tokens, cond): batches are drawn from its rows (its
+    conditional and unconditional passes), labels are its top-K, and the target runs only up to its highest
+    tapped block for the drafter's features. The loss is then the top-K soft CE (baseline), or LISA's LID with
+    lid = (codebook (V, D), lisa.distill.LIDConfig)."""
     resume = Path(work_dir) / "resume.pt"
     torch.manual_seed(cfg.seed)
     target.eval().requires_grad_(False)
@@ -104,12 +150,23 @@ def train_drafter(drafter: Eagle3Drafter, target: Transformer, tokens: Tensor, c
     bar = tqdm(range(step, cfg.steps), initial=step, total=cfg.steps, desc="train drafter", disable=not progress)
     for step in bar:
         gen.manual_seed(cfg.seed * 1_000_003 + step)  # batch and drops depend only on (seed, step): resumable
-        idx = torch.randint(0, len(tokens), (cfg.batch_size,), generator=gen)
-        drop = torch.rand(cfg.batch_size, generator=gen) < cfg.cond_drop
-        hidden, p = target_features(target, cond[idx], tokens[idx], drop, taps)
+        if cache is None:
+            idx = torch.randint(0, len(tokens), (cfg.batch_size,), generator=gen)
+            drop = torch.rand(cfg.batch_size, generator=gen) < cfg.cond_drop
+            batch_tokens = tokens[idx]
+            hidden, p = target_features(target, cond[idx], batch_tokens, drop, taps)
+            step_loss = loss_fn
+        else:
+            rows = torch.randint(0, len(cache.seq), (cfg.batch_size,), generator=gen)
+            batch_tokens = cache.token[rows]
+            with torch.no_grad():
+                hidden = target.teacher_forced(cond[cache.seq[rows]], batch_tokens, cache.uncond[rows], taps=taps,
+                                               logits=False).hidden
+            p = CachedTargets(cache.topk_idx[rows], cache.topk_logit[rows], cache.lse[rows])
+            step_loss = lid_loss_fn(lid[0], lid[1], step) if lid is not None else cached_soft_ce
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg.steps, cfg.lr, cfg.min_lr, cfg.warmup)
-        losses = ttt_losses(drafter, hidden, p, tokens[idx], cfg.ttt_steps, C, loss_fn)
+        losses = ttt_losses(drafter, hidden, p, batch_tokens, cfg.ttt_steps, C, step_loss)
         loss = sum(cfg.ttt_decay**s * l for s, l in enumerate(losses))
         opt.zero_grad(set_to_none=True)
         loss.backward()

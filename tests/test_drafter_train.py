@@ -80,3 +80,42 @@ def test_drafter_artifact_checks_its_target(tmp_path):
     torch.testing.assert_close(back.fc.weight, d.fc.weight)
     with pytest.raises(CheckpointError, match="trained against target abc"):
         load_drafter(tmp_path / "drafter.safetensors", {"sha256": "def"})
+
+
+def test_taps_only_forward_matches_the_full_one():
+    torch.manual_seed(0)
+    target = micro_gpt()
+    tokens, cond = torch.randint(0, 64, (3, 16)), torch.tensor([1, 2, 3])
+    full = target.teacher_forced(cond, tokens, taps=(0, 1))
+    part = target.teacher_forced(cond, tokens, taps=(0, 1), logits=False)
+    assert part.logits is None and all(torch.equal(a, b) for a, b in zip(full.hidden, part.hidden))
+
+
+@pytest.mark.parametrize("loss", ["cached-soft-ce", "lid"])
+def test_training_from_a_logit_cache_learns(tmp_path, loss):
+    """Labels from the Parquet logit cache (top-K), target run up to its highest tap: the baseline loss and
+    LISA's LID both teach the drafter the target."""
+    from lisa.cache import CacheSpec, open_cache, write_cache, write_manifest
+    from lisa.distill import LIDConfig
+    from lisa.drafter_train import heldout_ttt
+
+    torch.manual_seed(0)
+    target = micro_gpt(vocab_size=16)
+    with torch.no_grad():
+        target.output.weight.mul_(30)
+    tokens, cond = data(target)
+    spec = CacheSpec(K=8, shard_size=32, batch_size=16, uncond_every=10)
+    write_cache(target, "t" * 64, tokens, cond, spec, tmp_path / "cache", progress=False)
+    write_manifest(tmp_path / "cache", "t" * 64, spec, len(tokens), tokens.shape[1])
+    cache = open_cache(tmp_path / "cache", "t" * 64)
+    cfg = TrainDrafterParams(steps=40, batch_size=16, lr=3e-3, warmup=2, checkpoint_every=40, eval_batch_size=32,
+                             ttt_steps=2)
+    torch.manual_seed(0)
+    before = heldout_ttt(new_drafter(target), target, tokens[:32], cond[:32], cfg)
+    torch.manual_seed(0)
+    d = new_drafter(target)
+    lid = (torch.randn(16, 4), LIDConfig(top_kc=4, joint_k=4, veto_steps=20)) if loss == "lid" else None
+    m = train_drafter(d, target, tokens, cond, tokens[:32], cond[:32], cfg, tmp_path / "w", progress=False,
+                      cache=cache, lid=lid)
+    assert m["heldout_soft_ce"][0] < before["heldout_soft_ce"][0] - 0.1
+    assert m["heldout_top1_agreement"][0] > before["heldout_top1_agreement"][0]

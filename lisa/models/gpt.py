@@ -290,7 +290,7 @@ class CaptionEmbedder(nn.Module):
 
 
 class GPTOutput(NamedTuple):
-    logits: Tensor  # (B, S, V) fp32
+    logits: Optional[Tensor]  # (B, S, V) fp32; None when asked for hidden taps only
     hidden: tuple[Tensor, ...]  # one (B, S, D) per requested tap, in the order asked
 
 
@@ -353,6 +353,7 @@ class Transformer(nn.Module):
         mask: Optional[Tensor] = None,
         rope_pos: Optional[Tensor] = None,
         taps: Sequence[int] = (),
+        logits: bool = True,
     ) -> GPTOutput:
         """x: (B, S, D) embeddings (condition prefix and/or image tokens).
 
@@ -361,6 +362,7 @@ class Transformer(nn.Module):
         mask: (B|1, S, K) bool, True = may attend, over cache slots 0..K-1 (K <= cache length); default causal.
         rope_pos: (S,) or (B, S) sequence positions for RoPE; defaults to input_pos (or 0..S-1 without cache).
         taps: block indices whose output hidden states are returned (EAGLE-3: low, mid, high).
+        logits: False = stop after the highest tapped block, no output head (logits None): drafter features only.
         """
         B, S, _ = x.shape
         if rope_pos is None:
@@ -383,20 +385,23 @@ class Transformer(nn.Module):
             attn_mask = (mask if mask.dim() == 3 else mask[None])[:, None]  # (B|1, 1, S, S)
         h = self.tok_dropout(x)
         hidden = {}
-        for i, layer in enumerate(self.layers):
+        depth = len(self.layers) if logits or not taps else max(taps) + 1
+        for i, layer in enumerate(self.layers[:depth]):
             h = layer(h, rope, input_pos, attn_mask)
             if i in taps:
                 hidden[i] = h
-        logits = self.output(self.norm(h)).float()  # (B, S, V)
-        return GPTOutput(logits, tuple(hidden[i] for i in taps))
+        out = self.output(self.norm(h)).float() if logits else None  # (B, S, V)
+        return GPTOutput(out, tuple(hidden[i] for i in taps))
 
-    def teacher_forced(self, cond: Tensor, tokens: Tensor, drop: Optional[Tensor] = None, taps: Sequence[int] = ()) -> GPTOutput:
+    def teacher_forced(self, cond: Tensor, tokens: Tensor, drop: Optional[Tensor] = None, taps: Sequence[int] = (),
+                       logits: bool = True) -> GPTOutput:
         """Logits (B, T, V) for (condition, image tokens (B, T)) with no cache: logits[:, t] predicts tokens[:, t]
-        (it sees the condition and tokens[:, :t]). Hidden taps are aligned the same way."""
+        (it sees the condition and tokens[:, :t]). Hidden taps are aligned the same way. logits=False: taps only,
+        the target run up to its highest tapped block (labels come from a logit cache)."""
         C = self.config.cls_token_num
         x = torch.cat([self.embed_cond(cond, drop), self.embed_tokens(tokens[:, :-1])], dim=1)  # (B, C+T-1, D)
-        out = self(x, taps=taps)
-        return GPTOutput(out.logits[:, C - 1 :], tuple(h[:, C - 1 :] for h in out.hidden))
+        out = self(x, taps=taps, logits=logits)
+        return GPTOutput(out.logits[:, C - 1 :] if logits else None, tuple(h[:, C - 1 :] for h in out.hidden))
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
