@@ -30,6 +30,7 @@ def lisa_full(params_path: str = "params.yaml", root: str = ".") -> dict:
             m["evaluate"] = t.evaluate(params_path, name, root)
             m["drafter"] = t.train_drafter(params_path, name, root)
             m["cache"] = t.cache_logits(params_path, name, root)
+            m["ablate_lid"] = t.ablate_lid(params_path, name, root)
             m["bench_spec"] = t.bench_spec(params_path, name, root)
         else:
             m["tokenizer"] = t.init_tokenizer(params_path, name, root)

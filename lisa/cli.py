@@ -141,6 +141,16 @@ def cmd_cache_logits(a):
                         p.cache_logits, a.out or where["cache"], a.report or where["cache_report"])
 
 
+def cmd_ablate_lid(a):
+    from lisa.stages import CODES_FILE, TARGET_FILE, TOKENIZER_FILE, ablate_lid, layout
+
+    p = load_params(a.params)
+    where = layout(a.world)
+    return ablate_lid(where["codes"] / CODES_FILE, where["target"] / TARGET_FILE, where["tokenizer"] / TOKENIZER_FILE,
+                      where["cache"], p.world(a.world), p.train_drafter, p.ablate_lid, p.sample,
+                      a.out or where["ablation"], where["ablation_report"], where["ablation_work"])
+
+
 def cmd_bench(a):
     from lisa.stages import DRAFTER_FILE, TARGET_FILE, TOKENIZER_FILE, bench, bench_spec, layout
 
@@ -216,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--codes", default=None, help="codes .safetensors (default: data/codes/<world>/...)")
     s.add_argument("--target", default=None, help="target .safetensors (default: data/target/<world>/...)")
     s.add_argument("--report", default=None, help="metrics JSON (default: reports/cache/<world>.json)")
+    stage("ablate-lid", cmd_ablate_lid, "LID vs the baseline drafter loss: two drafters from the same logit cache, "
+          "their acceptance length under exact verification -> data/ablation/<world>/, reports/ablation/<world>/")
     s = stage("bench", cmd_bench, "decode speed. With --world: every method of params bench_spec (vanilla, "
               "exact tree / chain, lantern, sjd, gsd, auto trees) on the world's target and drafter, same "
               "conditions and seeds -> reports/bench/<world>.{json,md,png}; without: vanilla loop of a "

@@ -165,6 +165,35 @@ class CacheLogitsParams:
 
 
 @dataclass(config=STRICT)
+class LIDParams:
+    """LISA's locality-informed distillation (lisa/distill.py, LIDConfig): every constant of the loss."""
+    top_kc: int = 8
+    radius: float = 0.3
+    quantile: float = 0.5
+    joint_k: int = 16
+    tau_s: float = 1.0
+    kernel_p: float = 0.9
+    w_base: float = 1.0
+    w_sel: float = 1.0
+    veto_steps: int = 200
+    lambda_ce: float = 1.0
+    lambda_kd: float = 1.0
+
+
+@dataclass(config=STRICT)
+class AblateLIDParams(SamplingParams):
+    """LID against the baseline loss: two drafters trained from the same logit cache, with train_drafter's
+    settings but `steps`, then their acceptance length under `exact` on sample.classes / sample.prompts."""
+    steps: int = 300
+    lid: LIDParams = Field(default_factory=LIDParams)
+    per_class: int = 2  # seeds per class / prompt for the acceptance measurement
+    tree: str = "dynamic"
+    depth: int = 4
+    top_k_draft: int = 4
+    total_tokens: int = 16
+
+
+@dataclass(config=STRICT)
 class QualityParams:
     """FID / KID settings shared by `fid-reference` and `evaluate` (lisa/fid.py, lisa/quality.py)."""
     max_images: int = 2000  # size of each reference set (held-out capped at its split size) and of unigram samples
@@ -243,6 +272,7 @@ class Params:
     train_judge: TrainJudgeParams = Field(default_factory=TrainJudgeParams)
     train_drafter: TrainDrafterParams = Field(default_factory=TrainDrafterParams)
     cache_logits: CacheLogitsParams = Field(default_factory=CacheLogitsParams)
+    ablate_lid: AblateLIDParams = Field(default_factory=AblateLIDParams)
     quality: QualityParams = Field(default_factory=QualityParams)
     evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
     bench: BenchParams = Field(default_factory=BenchParams)

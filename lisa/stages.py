@@ -24,7 +24,7 @@ from tqdm import tqdm
 from lisa import cache, data, fid, judges, quality
 from lisa.bench import auto_tree, bench_speculative, bench_vanilla, markdown_table, speculative_markdown
 from lisa.checkpoint import atomic_write, file_sha256, load_artifact, read_state_dict, save_artifact, write_json
-from lisa.config import (AutoTreeParams, BenchMethod, BenchParams, BenchSpecParams, BuildDatasetParams,
+from lisa.config import (AblateLIDParams, AutoTreeParams, BenchMethod, BenchParams, BenchSpecParams, BuildDatasetParams,
                          CacheLogitsParams, EncodeParams, EvaluateParams, InitTargetParams, InitTokenizerParams,
                          PremiseParams, QualityParams, SampleParams, TrainDrafterParams, TrainJudgeParams,
                          TrainTargetParams, TrainTokenizerParams, WorldParams)
@@ -71,6 +71,9 @@ def layout(world: str, root: str | Path = ".") -> dict[str, Path]:
         "drafter_work": root / "data" / "work" / "drafter" / world,
         "drafter_report": root / "reports" / "drafter" / f"{world}.json",
         "cache": root / "data" / "cache" / world,
+        "ablation": root / "data" / "ablation" / world,
+        "ablation_work": root / "data" / "work" / "ablation" / world,
+        "ablation_report": root / "reports" / "ablation" / world,
         "cache_report": root / "reports" / "cache" / f"{world}.json",
     }
 
@@ -654,3 +657,62 @@ def cache_logits(codes_path: str | Path, target_path: str | Path, p: CacheLogits
     metrics |= cache.throughput(target, tokens, cond, spec)
     write_json(report, metrics)
     return metrics
+
+
+def ablate_lid(codes_path: str | Path, target_path: str | Path, tokenizer_path: str | Path,
+               cache_dir: str | Path, world: WorldParams, train_p: TrainDrafterParams, p: AblateLIDParams,
+               sample_p: SampleParams, out_dir: str | Path, report_dir: str | Path, work_dir: str | Path) -> dict:
+    """LID vs the baseline loss, same data (the logit cache), steps and seed: two drafters, then the acceptance
+    length tau of each under `exact` verification on the same conditions and seeds."""
+    import dataclasses
+
+    from lisa.distill import LIDConfig
+    from lisa.drafter_train import new_drafter, train_drafter as train
+    from lisa.generate import SpecConfig, speculative_generate
+
+    target, target_meta = load_target(target_path)
+    vq, _ = load_tokenizer(tokenizer_path)
+    lc = cache.open_cache(cache_dir, target_meta["sha256"])
+    d = load_codes(codes_path, target.config.model_type)
+    tp = dataclasses.replace(train_p, steps=p.steps)
+    lid = (vq.codebook(), LIDConfig(**dataclasses.asdict(p.lid)))
+    if target.config.model_type == "c2i":
+        cond = torch.tensor([c for c in sample_p.classes for _ in range(p.per_class)])
+    else:
+        encoder = CaptionEncoder(None if world.caption_encoder in (None, "minilm") else world.caption_encoder)
+        cond = encoder.encode(list(sample_p.prompts), target.config.cls_token_num).repeat_interleave(p.per_class, 0)
+    sampling = SamplingConfig(p.temperature, p.top_k, p.top_p, p.cfg_scale)
+    spec = SpecConfig("exact", p.tree, p.depth, p.top_k_draft, p.total_tokens)
+    results = {}
+    for name, loss in (("baseline", None), ("lid", lid)):
+        torch.manual_seed(tp.seed)
+        drafter = new_drafter(target)
+        m = train(drafter, target, d["train_tokens"], d["train_cond"], d["test_tokens"][:512], d["test_cond"][:512],
+                  tp, Path(work_dir) / name, cache=lc, lid=loss)
+        save_artifact(drafter, Path(out_dir) / f"{name}.safetensors", "drafter", drafter.config, step=tp.steps,
+                      seed=tp.seed, made_from={"target_sha256": target_meta["sha256"], "loss": name,
+                                               "cache": str(cache_dir)}, extra={"metrics": m})
+        taus = []
+        for i in range(len(cond)):
+            _, stats = speculative_generate(target, drafter, cond[i : i + 1], sampling, spec,
+                                            torch.Generator().manual_seed(p.seed * 1_000_003 + i))
+            taus.append(stats["tau"])
+        results[name] = m | {"tau_exact": sum(taus) / len(taus), "tau_per_condition": taus}
+    metrics = {"steps": tp.steps, "conditions": len(cond), "tree": dataclasses.asdict(spec),
+               "baseline_tau": results["baseline"]["tau_exact"], "lid_tau": results["lid"]["tau_exact"],
+               "lid_over_baseline": results["lid"]["tau_exact"] / results["baseline"]["tau_exact"],
+               "lid": dataclasses.asdict(p.lid), "runs": results, "target_sha256": target_meta["sha256"]}
+    out = Path(report_dir)
+    write_json(out / "metrics.json", metrics)
+    lines = [f"## LID vs baseline drafter loss ({tp.steps} steps from the same logit cache; exact verification, "
+             f"{spec.tree} tree depth {spec.depth}, {spec.total_tokens} nodes; T={p.temperature:g}, "
+             f"CFG {p.cfg_scale:g}; {len(cond)} conditions)", "",
+             "| loss | tau (exact) | held-out top-1 agreement (TTT steps) | held-out soft CE |", "|---|---|---|---|"]
+    for name in ("baseline", "lid"):
+        r = results[name]
+        lines.append(f"| {name} | {r['tau_exact']:.3f} | "
+                     f"{' / '.join(f'{a:.3f}' for a in r['heldout_top1_agreement'])} | "
+                     f"{' / '.join(f'{c:.3f}' for c in r['heldout_soft_ce'])} |")
+    lines += ["", f"LID / baseline tau: {metrics['lid_over_baseline']:.3f}"]
+    atomic_write(out / "table.md", lambda tmp: Path(tmp).write_text("\n".join(lines) + "\n"))
+    return {k: v for k, v in metrics.items() if k != "runs"}

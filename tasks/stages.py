@@ -116,6 +116,16 @@ def cache_logits(params_path: str, world: str, root: str = ".") -> dict:
                                p.cache_logits, where["cache"], where["cache_report"])
 
 
+@task(name="ablate-lid")
+def ablate_lid(params_path: str, world: str, root: str = ".") -> dict:
+    p = load_params(params_path)
+    where = stages.layout(world, root)
+    return stages.ablate_lid(where["codes"] / stages.CODES_FILE, where["target"] / stages.TARGET_FILE,
+                             where["tokenizer"] / stages.TOKENIZER_FILE, where["cache"], p.world(world),
+                             p.train_drafter, p.ablate_lid, p.sample, where["ablation"], where["ablation_report"],
+                             where["ablation_work"])
+
+
 @task(name="bench-spec")
 def bench_spec(params_path: str, world: str, root: str = ".") -> dict:
     p = load_params(params_path)

@@ -14,9 +14,11 @@ from lisa.config import profile_text
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 STAGES = ["build-dataset", "train-tokenizer", "encode", "train-target", "init-tokenizer", "init-target", "sample",
-          "premise", "fid-reference", "train-judge", "evaluate", "train-drafter", "cache-logits", "bench"]
+          "premise", "fid-reference", "train-judge", "evaluate", "train-drafter", "cache-logits", "ablate-lid",
+          "bench"]
 DAG = ["build-dataset", "train-tokenizer", "encode", "train-target", "sample", "premise", "fid-reference",
-       "train-judge", "evaluate", "train-drafter", "cache-logits", "bench-spec", "bench"]
+       "train-judge", "evaluate", "train-drafter", "cache-logits", "ablate-lid", "bench-spec",
+       "bench"]
 
 
 def micro_repo(tmp_path: Path) -> Path:
@@ -82,6 +84,8 @@ def test_dvc_repro_micro(tmp_path):
         assert (repo / f"reports/bench/{world}.png").stat().st_size > 0
         c = json.loads((repo / f"reports/cache/{world}.json").read_text())
         assert c["tokens"] == (48 + 12) * 16 and c["bytes_per_token"] > 0 and c["target_sha256"] == target_sha
+        ab = json.loads((repo / f"reports/ablation/{world}/metrics.json").read_text())
+        assert ab["baseline_tau"] >= 1.0 and ab["lid_tau"] >= 1.0 and ab["steps"] == 4
         assert "| exact-auto |" in (repo / f"reports/bench/{world}.md").read_text()
     bench = json.loads((repo / "reports/bench/vanilla.json").read_text())
     assert [r["cfg_scale"] for r in bench["rows"]] == [1.0, 2.0] and all(r["tokens_per_s"] > 0 for r in bench["rows"])
