@@ -29,6 +29,7 @@ def lisa_full(params_path: str = "params.yaml", root: str = ".") -> dict:
             m["judge"] = t.train_judge(params_path, name, root)
             m["evaluate"] = t.evaluate(params_path, name, root)
             m["drafter"] = t.train_drafter(params_path, name, root)
+            m["self_generated"] = t.build_self_generated(params_path, name, root)
             m["cache"] = t.cache_logits(params_path, name, root)
             m["ablate_lid"] = t.ablate_lid(params_path, name, root)
             m["bench_spec"] = t.bench_spec(params_path, name, root)
@@ -36,6 +37,10 @@ def lisa_full(params_path: str = "params.yaml", root: str = ".") -> dict:
             m["tokenizer"] = t.init_tokenizer(params_path, name, root)
             m["target"] = t.init_target(params_path, name, root)
         m["sample"] = t.sample(params_path, name, root)
+    laion_world = load_params(params_path).corpora.laion_world
+    if laion_world in worlds and worlds[laion_world].dataset is not None:  # the fixture needs the emoji world
+        metrics["laion_fixture"] = t.laion_fixture(params_path, root)
+        metrics["laion_coco"] = t.build_laion_coco(params_path, root)
     metrics["bench"] = t.bench(params_path, root)
     return metrics
 

@@ -5,6 +5,7 @@ dvc.yaml calls these commands with explicit paths; the Prefect tasks call the sa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -127,8 +128,12 @@ def cmd_train_drafter(a):
     p = load_params(a.params)
     p.world(a.world)
     where = layout(a.world)
-    return train_drafter(where["codes"] / CODES_FILE, where["target"] / TARGET_FILE, p.train_drafter,
-                         a.out or where["drafter"], where["drafter_report"], where["drafter_work"])
+    tp = p.train_drafter
+    if a.steps is not None:
+        tp = dataclasses.replace(tp, steps=a.steps)
+    return train_drafter(a.codes or where["codes"] / CODES_FILE, a.target or where["target"] / TARGET_FILE, tp,
+                         a.out or where["drafter"], a.report or where["drafter_report"],
+                         a.work or where["drafter_work"], a.curves or where["drafter_curves"], a.corpus)
 
 
 def cmd_cache_logits(a):
@@ -138,7 +143,34 @@ def cmd_cache_logits(a):
     p.world(a.world)
     where = layout(a.world)
     return cache_logits(a.codes or where["codes"] / CODES_FILE, a.target or where["target"] / TARGET_FILE,
-                        p.cache_logits, a.out or where["cache"], a.report or where["cache_report"])
+                        p.cache_logits, a.out or where["cache"], a.report or where["cache_report"], a.corpus)
+
+
+def cmd_laion_fixture(a):
+    from lisa.stages import corpora_layout, laion_fixture
+
+    p = load_params(a.params)
+    return laion_fixture(p.corpora, a.out or corpora_layout()["fixture"])
+
+
+def cmd_build_corpus(a):
+    from lisa.stages import (CODES_FILE, TARGET_FILE, TOKENIZER_FILE, build_laion_coco, build_self_generated,
+                             corpora_layout, layout)
+
+    p = load_params(a.params)
+    c = corpora_layout()
+    if a.kind == "laion-coco":
+        world = p.corpora.laion_world
+        where = layout(world)
+        return build_laion_coco(a.metadata or p.corpora.laion_metadata, a.images or p.corpora.laion_images,
+                                where["tokenizer"] / TOKENIZER_FILE, p.world(world), p.corpora,
+                                a.out or c["laion"], a.report or c["laion_report"])
+    if a.world is None:
+        raise ValueError("build-corpus self-generated needs --world")
+    where = layout(a.world)
+    return build_self_generated(where["codes"] / CODES_FILE, where["target"] / TARGET_FILE, p.world(a.world),
+                                p.corpora.self_generated, a.out or c["self"](a.world),
+                                a.report or c["self_report"](a.world))
 
 
 def cmd_ablate_lid(a):
@@ -218,14 +250,33 @@ def build_parser() -> argparse.ArgumentParser:
     s = stage("evaluate", cmd_evaluate, "CFG samples scored by FID / KID against held-out images and by the "
               "judge -> reports/quality/<world>/")
     s.add_argument("--target", default=None, help="target .safetensors (default: data/target/<world>/...)")
-    stage("train-drafter", cmd_train_drafter, "train the baseline EAGLE-3 drafter of a world's target (TTT, "
-          "resumable) -> data/drafter/<world>/drafter.safetensors, reports/drafter/<world>.json")
+    s = stage("train-drafter", cmd_train_drafter, "train the baseline EAGLE-3 drafter of a world's target (TTT, "
+              "resumable; under torchrun: DDP) -> data/drafter/<world>/drafter.safetensors, "
+              "reports/drafter/<world>.json, reports/drafter/<world>/{train,heldout}.csv")
+    s.add_argument("--codes", default=None, help="codes .safetensors (default: data/codes/<world>/...)")
+    s.add_argument("--corpus", default=None, help="train on a built corpus (lisa build-corpus) instead of the codes")
+    s.add_argument("--target", default=None, help="target .safetensors (default: data/target/<world>/...)")
+    s.add_argument("--steps", type=int, default=None, help="override train_drafter.steps")
+    s.add_argument("--report", default=None, help="metrics JSON (default: reports/drafter/<world>.json)")
+    s.add_argument("--work", default=None, help="resume folder (default: data/work/drafter/<world>)")
+    s.add_argument("--curves", default=None, help="curves folder (default: reports/drafter/<world>/)")
     s = stage("cache-logits", cmd_cache_logits, "the target logit cache: top-K logits, logsumexp, entropy and "
               "margin per position of a teacher-forced pass over the world's training codes, as Parquet shards "
               "(resumable; under torchrun each rank writes its shards) -> data/cache/<world>/, reports/cache/<world>.json")
     s.add_argument("--codes", default=None, help="codes .safetensors (default: data/codes/<world>/...)")
     s.add_argument("--target", default=None, help="target .safetensors (default: data/target/<world>/...)")
     s.add_argument("--report", default=None, help="metrics JSON (default: reports/cache/<world>.json)")
+    s.add_argument("--corpus", default=None, help="cache a built corpus (lisa build-corpus) instead of the codes")
+    stage("laion-fixture", cmd_laion_fixture, "a LAION-COCO-layout source (metadata Parquet + img2dataset images) "
+          "from the emoji images -> data/corpora/laion-coco-fixture/", world=False)
+    s = stage("build-corpus", cmd_build_corpus, "a drafter training corpus as Parquet shards: laion-coco (filter, "
+              "join, VQ-encode an image-caption source in LAION-COCO's layout) or self-generated (the target's "
+              "own samples) -> data/corpora/...", world=False)
+    s.add_argument("kind", choices=["laion-coco", "self-generated"])
+    s.add_argument("--world", default=None, help="self-generated: the world whose target samples")
+    s.add_argument("--metadata", default=None, help="laion-coco: folder of metadata .parquet (default: params)")
+    s.add_argument("--images", default=None, help="laion-coco: img2dataset output folder (default: params)")
+    s.add_argument("--report", default=None, help="metrics JSON")
     stage("ablate-lid", cmd_ablate_lid, "LID vs the baseline drafter loss: two drafters from the same logit cache, "
           "their acceptance length under exact verification -> data/ablation/<world>/, reports/ablation/<world>/")
     s = stage("bench", cmd_bench, "decode speed. With --world: every method of params bench_spec (vanilla, "

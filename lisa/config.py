@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import yaml
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
@@ -140,6 +140,11 @@ class TrainDrafterParams(TrainTargetParams):
     weight_decay: float = 0.0
     ttt_steps: int = 4  # unrolled drafting steps
     ttt_decay: float = 0.8  # loss weight decay^s of step s
+    grad_accum: int = 1  # micro-batches per step (batch_size = ranks x grad_accum x micro-batch)
+    precision: Literal["fp32", "bf16", "auto"] = "fp32"  # bf16 autocast; auto = bf16 on a GPU that has it
+    eval_every: int = 100  # held-out curve point every N steps (0 = none)
+    eval_sequences: int = 128  # held-out sequences per curve point
+    eval_topk: int = 4  # the held-out top-k target mass (acceptance of a node with k drafted children)
 
 
 @dataclass(config=STRICT)
@@ -162,6 +167,30 @@ class CacheLogitsParams:
     shard_size: int = 512  # sequences per shard (the unit of resumption and of work per torchrun rank)
     batch_size: int = 64
     uncond_every: int = 10  # every 10th sequence also gets an unconditional pass (CFG-aware drafters)
+
+
+@dataclass(config=STRICT)
+class SelfGeneratedParams(SamplingParams):
+    """The `self-generated` corpus: the target's own samples (conditions: classes in turn, or training captions)."""
+    n: int = 512
+    batch_size: int = 64
+
+
+@dataclass(config=STRICT)
+class CorporaParams:
+    """Drafter training corpora (lisa/corpus.py): the laion-coco builder, its emoji fixture, self-generated."""
+    laion_world: str = "emoji-t2i"  # the world whose tokenizer and caption encoder encode the laion-coco corpus
+    laion_metadata: str = "data/corpora/laion-coco-fixture/metadata"  # folder of LAION-COCO metadata .parquet
+    laion_images: str = "data/corpora/laion-coco-fixture/images"  # img2dataset output (parquet / tar / folder)
+    min_size: int = 32  # WIDTH and HEIGHT >= min_size
+    max_punsafe: float = 0.5
+    max_pwatermark: float = 0.8
+    min_similarity: float = 0.25  # LAION-COCO's caption-image similarity
+    shard_size: int = 512
+    fixture_rows: Optional[int] = None  # emoji images in the fixture (None = all)
+    fixture_format: Literal["parquet", "webdataset", "files"] = "parquet"
+    fixture_seed: int = 0
+    self_generated: SelfGeneratedParams = Field(default_factory=SelfGeneratedParams)
 
 
 @dataclass(config=STRICT)
@@ -273,6 +302,7 @@ class Params:
     train_drafter: TrainDrafterParams = Field(default_factory=TrainDrafterParams)
     cache_logits: CacheLogitsParams = Field(default_factory=CacheLogitsParams)
     ablate_lid: AblateLIDParams = Field(default_factory=AblateLIDParams)
+    corpora: CorporaParams = Field(default_factory=CorporaParams)
     quality: QualityParams = Field(default_factory=QualityParams)
     evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
     bench: BenchParams = Field(default_factory=BenchParams)

@@ -11,10 +11,17 @@ the committed pair j - s. Its attention sees the committed pairs <= j - s (step 
 pair j - (s - s') for 1 <= s' <= s. This is exactly what drafting does at decode time. The loss is
 sum_s decay^s * soft cross-entropy(target distribution of token j + 1, drafter's), over the pairs j >= s.
 Every step is one forward over the concatenation of all steps so far with that mask (simple; the single drafter
-layer makes it cheap). The LISA loss (locality-informed distillation) plugs in later through `loss_fn`.
+layer makes it cheap). Labels come from the online target or from a logit cache (lisa.cache), with the baseline
+soft CE or LISA's locality-informed distillation (lisa.distill).
+
+Distributed training is torch's own: under torchrun, DDP (gloo on CPU, nccl on GPU) around the TTT loss, each rank
+a share of every step's batch; gradient accumulation; bf16 autocast (`precision`); resumable checkpoints; the
+loss / agreement curves as CSV for `dvc plots`.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
+from lisa.checkpoint import atomic_write
 from lisa.models.drafter import DrafterConfig, Eagle3Drafter
 from lisa.models.gpt import Transformer
 from lisa.train import load_resume, lr_at, save_resume
@@ -94,7 +102,7 @@ def lid_loss_fn(codebook: Tensor, cfg, step: int) -> Callable[[CachedTargets, Te
 @torch.no_grad()
 def target_features(target: Transformer, cond: Tensor, tokens: Tensor, drop: Optional[Tensor], taps) -> tuple:
     out = target.teacher_forced(cond, tokens, drop, taps=taps)
-    return out.hidden, out.logits.softmax(-1)  # taps (B, T, H) each; p (B, T, V): p[:, t] is token t's
+    return out.hidden, out.logits.float().softmax(-1)  # taps (B, T, H) each; p (B, T, V): p[:, t] is token t's
 
 
 def ttt_losses(drafter: Eagle3Drafter, hidden, target_p, tokens: Tensor, steps: int, C: int,
@@ -127,73 +135,196 @@ def ttt_losses(drafter: Eagle3Drafter, hidden, target_p, tokens: Tensor, steps: 
     return losses
 
 
+class TTTLoss(torch.nn.Module):
+    """The drafter's weighted TTT loss as one module forward, so that DDP wraps it (its forward registers the
+    gradient all-reduce); returns (loss, per-step losses, per-step top-1 agreement)."""
+
+    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, C: int):
+        super().__init__()
+        self.drafter, self.steps, self.decay, self.C = drafter, steps, decay, C
+
+    def forward(self, hidden, target_p, tokens: Tensor, loss_fn: Callable):
+        losses = ttt_losses(self.drafter, hidden, target_p, tokens, self.steps, self.C, loss_fn)
+        return sum(self.decay**s * l for s, l in enumerate(losses)), torch.stack(losses), self.drafter.last_acc
+
+
+def autocast_dtype(precision: str, device: torch.device) -> Optional[torch.dtype]:
+    """None (fp32) or torch.bfloat16: `bf16` asks for it; `auto` takes it on a GPU that supports it."""
+    if precision == "bf16":
+        return torch.bfloat16
+    if precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    if precision not in ("auto", "fp32"):
+        raise ValueError(f"train_drafter.precision: {precision!r} is not one of fp32, bf16, auto")
+    return None
+
+
+def train_device() -> torch.device:
+    """cuda:LOCAL_RANK where a GPU is visible (torchrun sets LOCAL_RANK), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def curve_columns(ttt_steps: int) -> tuple[list[str], list[str]]:
+    """Columns of train.csv and heldout.csv."""
+    per = lambda name: [f"{name}_s{s}" for s in range(ttt_steps)]
+    return (["step", "lr", "loss"] + per("loss") + per("top1"),
+            ["step"] + per("heldout_soft_ce") + per("heldout_top1") + per("heldout_topk_mass"))
+
+
+def write_curves(out: Path, log: list, held: list, ttt_steps: int):
+    """train.csv and heldout.csv under out (atomic), for `dvc plots`."""
+    import pandas as pd
+
+    train_cols, held_cols = curve_columns(ttt_steps)
+    for name, rows, cols in (("train.csv", log, train_cols), ("heldout.csv", held, held_cols)):
+        df = pd.DataFrame(rows, columns=cols).astype({"step": int})
+        atomic_write(out / name, lambda tmp: df.to_csv(tmp, index=False, float_format="%.5g"))
+
+
 def train_drafter(drafter: Eagle3Drafter, target: Transformer, tokens: Tensor, cond: Tensor, test_tokens: Tensor,
                   test_cond: Tensor, cfg, work_dir: str | Path, progress: bool = True,
                   loss_fn: Callable[[Tensor, Tensor], Tensor] = soft_ce, cache=None,
-                  lid: Optional[tuple] = None) -> dict:
+                  lid: Optional[tuple] = None, curves: Optional[Path] = None) -> dict:
     """Train on (tokens (N, T), cond); resumable from work_dir/resume.pt. Returns held-out TTT metrics.
 
     cache: a lisa.cache.LogitCache of this target over (tokens, cond): batches are drawn from its rows (its
     conditional and unconditional passes), labels are its top-K, and the target runs only up to its highest
     tapped block for the drafter's features. The loss is then the top-K soft CE (baseline), or LISA's LID with
-    lid = (codebook (V, D), lisa.distill.LIDConfig)."""
+    lid = (codebook (V, D), lisa.distill.LIDConfig).
+
+    Distributed: under torchrun (an initialised process group) the drafter is wrapped in DDP; every rank draws the
+    same global batch of cfg.batch_size rows from (seed, step) and takes its 1/world share, split further into
+    cfg.grad_accum micro-batches (gradients synchronised on the last one only). So 2 ranks, or 1 process with
+    grad_accum 2, compute the same step as 1 process (up to float summation order; LID's batch quantile and
+    normalisation are per micro-batch). Rank 0 writes the resume checkpoint and the curves.
+
+    curves: a directory for `train.csv` (per step: lr, loss, per-TTT-step loss and top-1 agreement, averaged
+    over ranks) and `heldout.csv` (every cfg.eval_every steps: held-out agreement and the target mass the
+    drafter's top-k covers, the acceptance rate of a node with k drafted children under `exact`)."""
+    import torch.distributed as dist
+
     resume = Path(work_dir) / "resume.pt"
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    device = train_device()
+    amp = autocast_dtype(cfg.precision, device)
+    micro = cfg.batch_size // (world * cfg.grad_accum)
+    if micro * world * cfg.grad_accum != cfg.batch_size:
+        raise ValueError(f"train_drafter.batch_size {cfg.batch_size} is not divisible by {world} ranks x "
+                         f"grad_accum {cfg.grad_accum}")
     torch.manual_seed(cfg.seed)
-    target.eval().requires_grad_(False)
+    target.to(device).eval().requires_grad_(False)
+    drafter.to(device)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     step, extra = load_resume(resume, drafter, opt, cfg)
     elapsed, t0 = float(extra.get("elapsed_s", 0.0)), time.perf_counter()
+    train_cols, held_cols = curve_columns(cfg.ttt_steps)
+    log = extra.get("curve", torch.zeros(0, len(train_cols))).tolist()
+    held = extra.get("heldout_curve", torch.zeros(0, len(held_cols))).tolist()
     taps, C = tuple(drafter.config.taps), target.config.cls_token_num
+    module = TTTLoss(drafter, cfg.ttt_steps, cfg.ttt_decay, C)
+    model = torch.nn.parallel.DistributedDataParallel(module) if world > 1 else module
     gen = torch.Generator()
     drafter.train()
-    bar = tqdm(range(step, cfg.steps), initial=step, total=cfg.steps, desc="train drafter", disable=not progress)
+    bar = tqdm(range(step, cfg.steps), initial=step, total=cfg.steps, desc="train drafter",
+               disable=not progress or rank != 0)
+    first, step_s = step, 0.0  # time in training steps only (no evaluation, no checkpoints): steps/s
     for step in bar:
+        t_step = time.perf_counter()
         gen.manual_seed(cfg.seed * 1_000_003 + step)  # batch and drops depend only on (seed, step): resumable
         if cache is None:
             idx = torch.randint(0, len(tokens), (cfg.batch_size,), generator=gen)
             drop = torch.rand(cfg.batch_size, generator=gen) < cfg.cond_drop
-            batch_tokens = tokens[idx]
-            hidden, p = target_features(target, cond[idx], batch_tokens, drop, taps)
-            step_loss = loss_fn
         else:
-            rows = torch.randint(0, len(cache.seq), (cfg.batch_size,), generator=gen)
-            batch_tokens = cache.token[rows]
-            with torch.no_grad():
-                hidden = target.teacher_forced(cond[cache.seq[rows]], batch_tokens, cache.uncond[rows], taps=taps,
-                                               logits=False).hidden
-            p = CachedTargets(cache.topk_idx[rows], cache.topk_logit[rows], cache.lse[rows])
-            step_loss = lid_loss_fn(lid[0], lid[1], step) if lid is not None else cached_soft_ce
+            idx = torch.randint(0, len(cache.seq), (cfg.batch_size,), generator=gen)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg.steps, cfg.lr, cfg.min_lr, cfg.warmup)
-        losses = ttt_losses(drafter, hidden, p, batch_tokens, cfg.ttt_steps, C, step_loss)
-        loss = sum(cfg.ttt_decay**s * l for s, l in enumerate(losses))
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        stats = torch.zeros(1 + 2 * cfg.ttt_steps)
+        for m in range(cfg.grad_accum):
+            rows = idx[(rank * cfg.grad_accum + m) * micro : (rank * cfg.grad_accum + m + 1) * micro]
+            with torch.no_grad(), torch.autocast(device.type, amp, enabled=amp is not None):
+                if cache is None:
+                    batch_tokens = tokens[rows].to(device)
+                    d = drop[(rank * cfg.grad_accum + m) * micro : (rank * cfg.grad_accum + m + 1) * micro]
+                    hidden, p = target_features(target, cond[rows].to(device), batch_tokens, d.to(device), taps)
+                    step_loss = loss_fn
+                else:
+                    batch_tokens = cache.token[rows].to(device)
+                    hidden = target.teacher_forced(cond[cache.seq[rows]].to(device), batch_tokens,
+                                                   cache.uncond[rows].to(device), taps=taps, logits=False).hidden
+                    p = CachedTargets(cache.topk_idx[rows].to(device), cache.topk_logit[rows].to(device),
+                                      cache.lse[rows].to(device))
+                    step_loss = lid_loss_fn(lid[0].to(device), lid[1], step) if lid is not None else cached_soft_ce
+            sync = m + 1 == cfg.grad_accum or world == 1
+            with (contextlib.nullcontext() if sync else model.no_sync()), \
+                    torch.autocast(device.type, amp, enabled=amp is not None):
+                loss, per_step, acc = model(hidden, p, batch_tokens, step_loss)
+            (loss / cfg.grad_accum).backward()
+            stats += torch.cat([loss.detach().float().cpu()[None], per_step.detach().float().cpu(),
+                                torch.tensor(acc)]) / cfg.grad_accum
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
-        bar.set_postfix(loss=f"{loss.item():.3f}", acc0=f"{drafter.last_acc[0]:.2f}")
+        if world > 1:  # the curves show the global batch
+            dist.all_reduce(stats)
+            stats /= world
+        step_s += time.perf_counter() - t_step
+        log.append([step + 1, opt.param_groups[0]["lr"]] + stats.tolist())
+        bar.set_postfix(loss=f"{stats[0]:.3f}", acc0=f"{stats[1 + cfg.ttt_steps]:.2f}")
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and rank == 0:
+            drafter.eval()
+            h = heldout_ttt(drafter, target, test_tokens[: cfg.eval_sequences], test_cond[: cfg.eval_sequences], cfg)
+            drafter.train()
+            held.append([step + 1] + h["heldout_soft_ce"] + h["heldout_top1_agreement"] + h["heldout_topk_mass"])
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-            save_resume(resume, drafter, opt, cfg, step + 1,
-                        {"elapsed_s": torch.tensor(elapsed + time.perf_counter() - t0)})
+            if rank == 0:
+                save_resume(resume, drafter, opt, cfg, step + 1,
+                            {"elapsed_s": torch.tensor(elapsed + time.perf_counter() - t0),
+                             "curve": torch.tensor(log, dtype=torch.float64),
+                             "heldout_curve": torch.tensor(held, dtype=torch.float64)})
+            if world > 1:
+                dist.barrier()
     drafter.eval()
-    return heldout_ttt(drafter, target, test_tokens, test_cond, cfg) | {
-        "steps": cfg.steps, "train_s": elapsed + time.perf_counter() - t0}
+    out = {"steps": cfg.steps, "train_s": elapsed + time.perf_counter() - t0, "world_size": world,
+           "steps_per_s_this_run": (cfg.steps - first) / step_s if step_s > 0 else None,
+           "grad_accum": cfg.grad_accum, "precision": str(amp or torch.float32).replace("torch.", ""),
+           "device": str(device)}
+    if rank != 0:
+        return out
+    if curves is not None:
+        write_curves(Path(curves), log, held, cfg.ttt_steps)
+    return heldout_ttt(drafter, target, test_tokens, test_cond, cfg) | out
 
 
 @torch.no_grad()
 def heldout_ttt(drafter: Eagle3Drafter, target: Transformer, tokens: Tensor, cond: Tensor, cfg) -> dict:
-    """Held-out soft CE and top-1 agreement with the target, per TTT step (conditional rows)."""
+    """Held-out soft CE, top-1 agreement with the target, and the target mass on the drafter's top eval_topk
+    tokens (the acceptance rate of a node with eval_topk drafted children under `exact`'s sequential rule), per
+    TTT step (conditional rows, no CFG)."""
     taps, C = tuple(drafter.config.taps), target.config.cls_token_num
-    tot_l, tot_a, n = torch.zeros(cfg.ttt_steps), torch.zeros(cfg.ttt_steps), 0
+    device = next(drafter.parameters()).device
+    S = cfg.ttt_steps
+    tot_l, tot_a, tot_m, n = torch.zeros(S), torch.zeros(S), torch.zeros(S), 0
     for i in range(0, len(tokens), cfg.eval_batch_size):
-        t, c = tokens[i : i + cfg.eval_batch_size], cond[i : i + cfg.eval_batch_size]
+        t, c = tokens[i : i + cfg.eval_batch_size].to(device), cond[i : i + cfg.eval_batch_size].to(device)
         hidden, p = target_features(target, c, t, None, taps)
-        losses = ttt_losses(drafter, hidden, p, t, cfg.ttt_steps, C)
+        mass = []
+
+        def loss_and_mass(target_p, logits):  # called once per TTT step s, in order
+            s = len(mass)
+            top = logits[:, s:].topk(cfg.eval_topk, -1).indices
+            mass.append(target_p[:, s:].gather(-1, top).sum(-1).mean().item())
+            return soft_ce(target_p, logits)
+
+        losses = ttt_losses(drafter, hidden, p, t, S, C, loss_and_mass)
         tot_l += torch.tensor([l.item() for l in losses]) * len(t)
         tot_a += torch.tensor(drafter.last_acc) * len(t)
+        tot_m += torch.tensor(mass) * len(t)
         n += len(t)
-    return {"heldout_soft_ce": (tot_l / n).tolist(), "heldout_top1_agreement": (tot_a / n).tolist()}
+    return {"heldout_soft_ce": (tot_l / n).tolist(), "heldout_top1_agreement": (tot_a / n).tolist(),
+            "heldout_topk_mass": (tot_m / n).tolist()}
 
 
 def new_drafter(target: Transformer, **overrides) -> Eagle3Drafter:

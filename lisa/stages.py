@@ -25,8 +25,8 @@ from lisa import cache, data, fid, judges, quality
 from lisa.bench import auto_tree, bench_speculative, bench_vanilla, markdown_table, speculative_markdown
 from lisa.checkpoint import atomic_write, file_sha256, load_artifact, read_state_dict, save_artifact, write_json
 from lisa.config import (AblateLIDParams, AutoTreeParams, BenchMethod, BenchParams, BenchSpecParams, BuildDatasetParams,
-                         CacheLogitsParams, EncodeParams, EvaluateParams, InitTargetParams, InitTokenizerParams,
-                         PremiseParams, QualityParams, SampleParams, TrainDrafterParams, TrainJudgeParams,
+                         CacheLogitsParams, CorporaParams, EncodeParams, EvaluateParams, InitTargetParams, InitTokenizerParams,
+                         PremiseParams, QualityParams, SampleParams, SelfGeneratedParams, TrainDrafterParams, TrainJudgeParams,
                          TrainTargetParams, TrainTokenizerParams, WorldParams)
 from lisa.generate import generate
 from lisa.images import save_grid
@@ -70,12 +70,23 @@ def layout(world: str, root: str | Path = ".") -> dict[str, Path]:
         "drafter": root / "data" / "drafter" / world,
         "drafter_work": root / "data" / "work" / "drafter" / world,
         "drafter_report": root / "reports" / "drafter" / f"{world}.json",
+        "drafter_curves": root / "reports" / "drafter" / world,
         "cache": root / "data" / "cache" / world,
         "ablation": root / "data" / "ablation" / world,
         "ablation_work": root / "data" / "work" / "ablation" / world,
         "ablation_report": root / "reports" / "ablation" / world,
         "cache_report": root / "reports" / "cache" / f"{world}.json",
     }
+
+
+def corpora_layout(root: str | Path = ".") -> dict[str, Path]:
+    """Where the corpus stages write (dvc.yaml spells out the same paths); self-generated: per world."""
+    root = Path(root)
+    return {"fixture": root / "data" / "corpora" / "laion-coco-fixture",
+            "laion": root / "data" / "corpora" / "laion-coco",
+            "laion_report": root / "reports" / "corpora" / "laion-coco.json",
+            "self": lambda world: root / "data" / "corpora" / "self-generated" / world,
+            "self_report": lambda world: root / "reports" / "corpora" / f"self-generated-{world}.json"}
 
 
 def _save_initial(model, out: Path, kind: str, seed: int, checkpoint) -> dict:
@@ -612,34 +623,118 @@ def load_drafter(path: str | Path, target_meta: Optional[dict] = None):
 
 
 def train_drafter(codes_path: str | Path, target_path: str | Path, p: TrainDrafterParams, out_dir: str | Path,
-                  report: str | Path, work_dir: str | Path) -> dict:
-    """Baseline EAGLE-3 drafter (TTT, soft CE to the target) for a world's target, on its training codes."""
+                  report: str | Path, work_dir: str | Path, curves: Optional[str | Path] = None,
+                  corpus_path: Optional[str | Path] = None) -> dict:
+    """Baseline EAGLE-3 drafter (TTT, soft CE to the target) for a world's target, on its training codes (or a
+    built corpus, lisa/corpus.py). Under torchrun: DDP over the ranks; rank 0 writes the drafter and reports."""
     from lisa.drafter_train import new_drafter, train_drafter as train
 
+    rank = init_distributed()
     target, target_meta = load_target(target_path)
     d = load_codes(codes_path, target.config.model_type)
+    tokens, cond = d["train_tokens"], d["train_cond"]
+    if corpus_path is not None:
+        from lisa.corpus import read_corpus
+
+        c = read_corpus(corpus_path, target.config.model_type, target.config.cls_token_num)
+        tokens, cond = c["tokens"], c["cond"]
     torch.manual_seed(p.seed)
     drafter = new_drafter(target)
-    metrics = train(drafter, target, d["train_tokens"], d["train_cond"], d["test_tokens"][:512],
-                    d["test_cond"][:512], p, work_dir)
-    meta = save_artifact(drafter, Path(out_dir) / DRAFTER_FILE, "drafter", drafter.config, step=p.steps,
+    metrics = train(drafter, target, tokens, cond, d["test_tokens"][:512], d["test_cond"][:512], p, work_dir,
+                    curves=curves)
+    if rank != 0:
+        return {"rank": rank}
+    meta = save_artifact(drafter.cpu(), Path(out_dir) / DRAFTER_FILE, "drafter", drafter.config, step=p.steps,
                          seed=p.seed, made_from={"target": str(target_path), "target_sha256": target_meta["sha256"],
-                                                 "codes": str(codes_path)}, extra={"metrics": metrics})
+                                                 "codes": str(corpus_path or codes_path)},
+                         extra={"metrics": metrics})
     write_json(report, metrics)
     return metrics | {"sha256": meta["sha256"]}
 
 
-def cache_logits(codes_path: str | Path, target_path: str | Path, p: CacheLogitsParams, out_dir: str | Path,
-                 report: str | Path) -> dict:
-    """The target logit cache of a world's training codes (lisa/cache.py). Under torchrun each rank writes its
-    shards (gloo or nccl process group for the final barrier); rank 0 writes the manifest and the report."""
+def laion_fixture(p: CorporaParams, out_dir: str | Path) -> dict:
+    """The LAION-COCO-layout fixture from the emoji images (lisa.corpus.make_laion_fixture), written to a temporary
+    folder and renamed into place."""
+    from lisa.corpus import make_laion_fixture
+
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    info = make_laion_fixture(tmp, p.fixture_rows, p.fixture_seed, p.fixture_format)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return info
+
+
+def build_laion_coco(metadata: str | Path, images: str | Path, tokenizer_path: str | Path, world: WorldParams,
+                     p: CorporaParams, out_dir: str | Path, report: str | Path) -> dict:
+    """The laion-coco corpus (lisa.corpus.build_laion_coco) with the world's tokenizer and caption encoder."""
+    from lisa.corpus import LaionFilter, build_laion_coco as build
+
+    vq, vq_meta = load_tokenizer(tokenizer_path)
+    cfg = world.gpt_config()
+    if cfg.model_type != "t2i":
+        raise ValueError(f"corpora.laion_world: a laion-coco corpus is for a text-to-image world, not {cfg.model_type}")
+    encoder = CaptionEncoder(None if world.caption_encoder in (None, "minilm") else world.caption_encoder)
+    files = sorted(Path(metadata).glob("*.parquet")) if Path(metadata).is_dir() else [Path(metadata)]
+    flt = LaionFilter(p.min_size, p.max_punsafe, p.max_pwatermark, p.min_similarity)
+    m = build(files, Path(images), vq, vq_meta["sha256"], encoder, cfg.cls_token_num, flt, Path(out_dir),
+              p.shard_size)
+    metrics = {"sequences": m["rows"], "bytes": m["bytes"], "counts": m["counts"], "filter": m["filter"]}
+    write_json(report, metrics)
+    return metrics
+
+
+def build_self_generated(codes_path: str | Path, target_path: str | Path, world: WorldParams,
+                         p: SelfGeneratedParams, out_dir: str | Path, report: str | Path) -> dict:
+    """The self-generated corpus: the world's target samples p.n sequences, conditions = classes in turn (c2i) or
+    the training captions in turn (t2i)."""
+    from lisa.corpus import build_self_generated as build
+
+    target, target_meta = load_target(target_path)
+    if target.config.model_type == "c2i":
+        cond = torch.arange(p.n) % target.config.num_classes
+        labels, captions = cond.tolist(), [""] * p.n
+    else:
+        t = read_state_dict(codes_path)
+        idx = t["train_caption_idx"].unique()[:p.n]
+        idx = idx[torch.arange(p.n) % len(idx)]
+        names = json.loads(Path(codes_path).with_suffix(".json").read_text())["captions"]
+        cond, labels, captions = t["caption_feats"][idx].float(), [-1] * p.n, [names[i] for i in idx.tolist()]
+    sampling = SamplingConfig(p.temperature, p.top_k, p.top_p, p.cfg_scale)
+    t0 = time.perf_counter()
+    m = build(target, target_meta["sha256"], cond, labels, captions, sampling, p.seed, Path(out_dir),
+              batch_size=p.batch_size)
+    metrics = {"sequences": m["rows"], "bytes": m["bytes"], "sampling": m["sampling"], "target_sha256": m["target_sha256"],
+               "build_s": time.perf_counter() - t0}
+    write_json(report, metrics)
+    return metrics
+
+
+def init_distributed() -> int:
+    """Under torchrun: join the process group (nccl on GPU, gloo on CPU). Returns this process's rank."""
     rank, world_size = cache.dist_env()
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return rank
+
+
+def cache_logits(codes_path: str | Path, target_path: str | Path, p: CacheLogitsParams, out_dir: str | Path,
+                 report: str | Path, corpus_path: Optional[str | Path] = None) -> dict:
+    """The target logit cache of a world's training codes (lisa/cache.py). Under torchrun each rank writes its
+    shards (gloo or nccl process group for the final barrier); rank 0 writes the manifest and the report."""
+    rank, world_size = init_distributed(), cache.dist_env()[1]
     target, target_meta = load_target(target_path)
-    d = load_codes(codes_path, target.config.model_type)
-    n = len(d["train_tokens"]) if p.max_sequences is None else min(p.max_sequences, len(d["train_tokens"]))
-    tokens, cond = d["train_tokens"][:n], d["train_cond"][:n]
+    if corpus_path is not None:
+        from lisa.corpus import read_corpus
+
+        c = read_corpus(corpus_path, target.config.model_type, target.config.cls_token_num)
+        all_tokens, all_cond = c["tokens"], c["cond"]
+    else:
+        d = load_codes(codes_path, target.config.model_type)
+        all_tokens, all_cond = d["train_tokens"], d["train_cond"]
+    n = len(all_tokens) if p.max_sequences is None else min(p.max_sequences, len(all_tokens))
+    tokens, cond = all_tokens[:n], all_cond[:n]
     spec = cache.CacheSpec(p.K, p.shard_size, p.batch_size, p.uncond_every)
     t0 = time.perf_counter()
     cache.write_cache(target, target_meta["sha256"], tokens, cond, spec, out_dir, rank, world_size)
@@ -648,8 +743,9 @@ def cache_logits(codes_path: str | Path, target_path: str | Path, p: CacheLogits
         dist.barrier()
     if rank != 0:
         return {"rank": rank}
-    manifest = cache.write_manifest(out_dir, target_meta["sha256"], spec, n, tokens.shape[1],
-                                    extra={"codes": str(codes_path), "codes_sha256": file_sha256(codes_path)})
+    source = ({"corpus": str(corpus_path), "corpus_manifest_sha256": file_sha256(Path(corpus_path) / "manifest.json")}
+              if corpus_path is not None else {"codes": str(codes_path), "codes_sha256": file_sha256(codes_path)})
+    manifest = cache.write_manifest(out_dir, target_meta["sha256"], spec, n, tokens.shape[1], extra=source)
     metrics = {"sequences": n, "tokens": manifest["tokens"], "bytes": manifest["bytes"],
                "bytes_per_token": manifest["bytes_per_token"], "K": p.K, "workers": world_size,
                "write_s": elapsed, "write_tokens_per_s": manifest["tokens"] / elapsed,
@@ -688,7 +784,7 @@ def ablate_lid(codes_path: str | Path, target_path: str | Path, tokenizer_path: 
         torch.manual_seed(tp.seed)
         drafter = new_drafter(target)
         m = train(drafter, target, d["train_tokens"], d["train_cond"], d["test_tokens"][:512], d["test_cond"][:512],
-                  tp, Path(work_dir) / name, cache=lc, lid=loss)
+                  tp, Path(work_dir) / name, cache=lc, lid=loss, curves=Path(report_dir) / name)
         save_artifact(drafter, Path(out_dir) / f"{name}.safetensors", "drafter", drafter.config, step=tp.steps,
                       seed=tp.seed, made_from={"target_sha256": target_meta["sha256"], "loss": name,
                                                "cache": str(cache_dir)}, extra={"metrics": m})

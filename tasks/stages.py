@@ -2,6 +2,8 @@
 that `lisa <stage>` (and so dvc.yaml) calls, with the same paths (lisa.stages.layout)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from prefect import task
 
 from lisa import stages
@@ -100,7 +102,8 @@ def train_drafter(params_path: str, world: str, root: str = ".") -> dict:
     p = load_params(params_path)
     where = stages.layout(world, root)
     return stages.train_drafter(where["codes"] / stages.CODES_FILE, where["target"] / stages.TARGET_FILE,
-                                p.train_drafter, where["drafter"], where["drafter_report"], where["drafter_work"])
+                                p.train_drafter, where["drafter"], where["drafter_report"], where["drafter_work"],
+                                where["drafter_curves"])
 
 
 @task(name="bench")
@@ -114,6 +117,30 @@ def cache_logits(params_path: str, world: str, root: str = ".") -> dict:
     where = stages.layout(world, root)
     return stages.cache_logits(where["codes"] / stages.CODES_FILE, where["target"] / stages.TARGET_FILE,
                                p.cache_logits, where["cache"], where["cache_report"])
+
+
+@task(name="laion-fixture")
+def laion_fixture(params_path: str, root: str = ".") -> dict:
+    return stages.laion_fixture(load_params(params_path).corpora, stages.corpora_layout(root)["fixture"])
+
+
+@task(name="build-laion-coco")
+def build_laion_coco(params_path: str, root: str = ".") -> dict:
+    p = load_params(params_path)
+    c, where = stages.corpora_layout(root), stages.layout(p.corpora.laion_world, root)
+    rooted = lambda path: Path(path) if Path(path).is_absolute() else Path(root) / path
+    return stages.build_laion_coco(rooted(p.corpora.laion_metadata), rooted(p.corpora.laion_images),
+                                   where["tokenizer"] / stages.TOKENIZER_FILE, p.world(p.corpora.laion_world),
+                                   p.corpora, c["laion"], c["laion_report"])
+
+
+@task(name="build-self-generated")
+def build_self_generated(params_path: str, world: str, root: str = ".") -> dict:
+    p = load_params(params_path)
+    c, where = stages.corpora_layout(root), stages.layout(world, root)
+    return stages.build_self_generated(where["codes"] / stages.CODES_FILE, where["target"] / stages.TARGET_FILE,
+                                       p.world(world), p.corpora.self_generated, c["self"](world),
+                                       c["self_report"](world))
 
 
 @task(name="ablate-lid")
