@@ -146,6 +146,14 @@ def cmd_cache_logits(a):
                         p.cache_logits, a.out or where["cache"], a.report or where["cache_report"], a.corpus)
 
 
+def cmd_bench_ddp(a):
+    from lisa.stages import bench_ddp, layout
+
+    load_params(a.params).world(a.world)
+    return bench_ddp(a.world, a.params, a.steps, a.out or layout(a.world)["bench"] / f"ddp-{a.world}",
+                     a.work or f"data/work/bench-ddp/{a.world}")
+
+
 def cmd_laion_fixture(a):
     from lisa.stages import corpora_layout, laion_fixture
 
@@ -267,6 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--target", default=None, help="target .safetensors (default: data/target/<world>/...)")
     s.add_argument("--report", default=None, help="metrics JSON (default: reports/cache/<world>.json)")
     s.add_argument("--corpus", default=None, help="cache a built corpus (lisa build-corpus) instead of the codes")
+    s = stage("bench-ddp", cmd_bench_ddp, "drafter training steps/s: 1 process against torchrun DDP with 2 "
+              "processes, same global batch -> reports/bench/ddp-<world>.{json,md}")
+    s.add_argument("--steps", type=int, default=40, help="training steps per run (default 40)")
+    s.add_argument("--work", default=None, help="scratch folder (default: data/work/bench-ddp/<world>)")
     stage("laion-fixture", cmd_laion_fixture, "a LAION-COCO-layout source (metadata Parquet + img2dataset images) "
           "from the emoji images -> data/corpora/laion-coco-fixture/", world=False)
     s = stage("build-corpus", cmd_build_corpus, "a drafter training corpus as Parquet shards: laion-coco (filter, "

@@ -122,13 +122,16 @@ def read_images(source: Path) -> dict[str, bytes]:
         for row in ds:
             if row["status"] == "success" and row["jpg"]:
                 out[row["url"]] = row["jpg"]
-    elif tars:
-        ds = load_dataset("webdataset", data_files=[str(t) for t in tars], split="train")
-        for row in ds:
-            if row.get("jpg") is not None and row.get("json"):
-                buf = io.BytesIO()
-                row["jpg"].save(buf, format="JPEG", quality=95)
-                out[row["json"]["url"]] = buf.getvalue()
+    elif tars:  # read with tarfile: HF's webdataset builder infers one JSON schema and trips on null fields
+        for path in tars:
+            with tarfile.open(path) as tar:
+                blobs = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+            for name, blob in blobs.items():
+                stem, ext = name.rsplit(".", 1) if "." in name else (name, "")
+                if ext == "json" and f"{stem}.jpg" in blobs:
+                    info = json.loads(blob)
+                    if info.get("status", "success") == "success":
+                        out[info["url"]] = blobs[f"{stem}.jpg"]
     else:
         for meta in sorted(source.rglob("*.json")):
             jpg = meta.with_suffix(".jpg")
@@ -148,7 +151,7 @@ def to_square(jpg: bytes, size: int) -> np.ndarray:
     side = min(img.size)
     left, top = (img.width - side) // 2, (img.height - side) // 2
     img = img.crop((left, top, left + side, top + side)).resize((size, size), Image.LANCZOS)
-    return np.asarray(img).transpose(2, 0, 1)
+    return np.ascontiguousarray(np.asarray(img).transpose(2, 0, 1))
 
 
 def build_laion_coco(metadata: list[Path], images: Path, vq, vq_sha256: str, encoder, cls_token_num: int,

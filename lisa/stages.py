@@ -812,3 +812,42 @@ def ablate_lid(codes_path: str | Path, target_path: str | Path, tokenizer_path: 
     lines += ["", f"LID / baseline tau: {metrics['lid_over_baseline']:.3f}"]
     atomic_write(out / "table.md", lambda tmp: Path(tmp).write_text("\n".join(lines) + "\n"))
     return {k: v for k, v in metrics.items() if k != "runs"}
+
+
+def bench_ddp(world: str, params_path: str | Path, steps: int, out: str | Path, work: str | Path) -> dict:
+    """Drafter training steps/s: 1 process (2 threads, 1 thread) against `torchrun --nproc_per_node 2` DDP (gloo,
+    1 thread each), same params and global batch, run one after another on this machine. Each run is `lisa
+    train-drafter` in a subprocess with its own scratch folders under `work`; timing covers training steps only."""
+    import os
+    import subprocess
+    import sys
+
+    bin_dir = Path(sys.executable).parent
+    lisa_bin = str(bin_dir / "lisa")
+    runs = [("1 process, 2 threads", [lisa_bin], 2), ("1 process, 1 thread", [lisa_bin], 1),
+            ("2 processes (DDP, gloo), 1 thread each",
+             [str(bin_dir / "torchrun"), "--nproc_per_node", "2", "--no-python", lisa_bin], 1)]
+    rows = []
+    for i, (name, launcher, threads) in enumerate(runs):
+        w = Path(work) / f"run{i}"
+        shutil.rmtree(w, ignore_errors=True)
+        cmd = launcher + ["train-drafter", "--world", world, "--params", str(params_path), "--steps", str(steps),
+                          "--out", str(w / "drafter"), "--report", str(w / "report.json"), "--work", str(w / "work"),
+                          "--curves", str(w / "curves")]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+        r = json.loads((w / "report.json").read_text())
+        rows.append({"run": name, "processes": r["world_size"], "threads_per_process": threads,
+                     "steps": steps, "steps_per_s": r["steps_per_s_this_run"]})
+    for r in rows:
+        r["vs_1_process_2_threads"] = r["steps_per_s"] / rows[0]["steps_per_s"]
+    report = {"world": world, "rows": rows, "cpus": os.cpu_count()}
+    out = Path(out)
+    write_json(out.with_suffix(".json"), report)
+    lines = [f"## Drafter training throughput, {world} ({steps} steps each, same global batch)", "",
+             "| run | steps/s | vs 1 process, 2 threads |", "|---|---|---|"]
+    lines += [f"| {r['run']} | {r['steps_per_s']:.2f} | {r['vs_1_process_2_threads']:.2f}x |" for r in rows]
+    atomic_write(out.with_suffix(".md"), lambda tmp: Path(tmp).write_text("\n".join(lines) + "\n"))
+    return report

@@ -119,3 +119,94 @@ def test_training_from_a_logit_cache_learns(tmp_path, loss):
                       cache=cache, lid=lid)
     assert m["heldout_soft_ce"][0] < before["heldout_soft_ce"][0] - 0.1
     assert m["heldout_top1_agreement"][0] > before["heldout_top1_agreement"][0]
+
+
+def peaked_target():
+    torch.manual_seed(0)
+    target = micro_gpt(vocab_size=16)
+    with torch.no_grad():
+        target.output.weight.mul_(30)
+    return target
+
+
+def trained(target, tokens, cond, work, **over):
+    cfg = TrainDrafterParams(**({"steps": 6, "batch_size": 8, "lr": 3e-3, "warmup": 2, "checkpoint_every": 3,
+                                 "eval_batch_size": 32, "ttt_steps": 2, "eval_every": 3, "eval_sequences": 8,
+                                 "eval_topk": 2} | over))
+    torch.manual_seed(0)
+    d = new_drafter(target)
+    m = train_drafter(d, target, tokens, cond, tokens[:16], cond[:16], cfg, work, progress=False, curves=work / "curves")
+    return d, m
+
+
+def test_gradient_accumulation_computes_the_same_step(tmp_path):
+    """grad_accum 2 / 4 split each step's batch into micro-batches: the same weights as one batch."""
+    target = peaked_target()
+    tokens, cond = data(target, n=32)
+    ref, _ = trained(target, tokens, cond, tmp_path / "one")
+    for k in (2, 4):
+        d, m = trained(target, tokens, cond, tmp_path / f"acc{k}", grad_accum=k)
+        assert m["grad_accum"] == k
+        for (name, a), b in zip(ref.state_dict().items(), d.state_dict().values()):
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4, msg=name)
+    with pytest.raises(ValueError, match="not divisible"):
+        trained(target, tokens, cond, tmp_path / "bad", grad_accum=3)
+
+
+def test_curves_are_written_and_survive_a_resume(tmp_path):
+    import pandas as pd
+
+    import lisa.drafter_train as dt
+
+    target = peaked_target()
+    tokens, cond = data(target, n=32)
+    trained(target, tokens, cond, tmp_path / "clean")
+    orig = dt.save_resume
+
+    def die(*args, **kw):
+        orig(*args, **kw)
+        raise KeyboardInterrupt
+
+    dt.save_resume = die
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            trained(target, tokens, cond, tmp_path / "killed")
+    finally:
+        dt.save_resume = orig
+    trained(target, tokens, cond, tmp_path / "killed")  # resumes at step 3
+    for name in ("train.csv", "heldout.csv"):
+        a = pd.read_csv(tmp_path / "clean" / "curves" / name)
+        b = pd.read_csv(tmp_path / "killed" / "curves" / name)
+        pd.testing.assert_frame_equal(a, b)
+    train = pd.read_csv(tmp_path / "clean" / "curves" / "train.csv")
+    held = pd.read_csv(tmp_path / "clean" / "curves" / "heldout.csv")
+    assert train["step"].tolist() == [1, 2, 3, 4, 5, 6] and {"loss", "top1_s0", "loss_s1"} <= set(train.columns)
+    assert held["step"].tolist() == [3, 6] and ((held["heldout_topk_mass_s0"] > 0) & (held["heldout_topk_mass_s0"] <= 1)).all()
+
+
+def test_bf16_autocast_trains(tmp_path):
+    target = peaked_target()
+    tokens, cond = data(target, n=32)
+    d, m = trained(target, tokens, cond, tmp_path, precision="bf16", steps=4)
+    assert m["precision"] == "bfloat16" and all(torch.isfinite(p).all() for p in d.parameters())
+    assert next(d.parameters()).dtype == torch.float32  # autocast: fp32 master weights
+
+
+def test_heldout_topk_mass_is_the_exact_acceptance_of_k_children():
+    """heldout_topk_mass at TTT step 0 = sum of the target's probabilities over the drafter's top-k."""
+    from lisa.drafter_train import heldout_ttt, target_features
+
+    target = peaked_target()
+    tokens, cond = data(target, n=8)
+    torch.manual_seed(0)
+    d = new_drafter(target)
+    cfg = TrainDrafterParams(ttt_steps=1, eval_batch_size=8, eval_topk=3)
+    m = heldout_ttt(d, target, tokens, cond, cfg)
+    hidden, p = target_features(target, cond, tokens, None, tuple(d.config.taps))
+    from lisa.drafter_train import ttt_losses
+
+    seen = []
+    ttt_losses(d, hidden, p, tokens, 1, target.config.cls_token_num,
+               lambda tp, logits: seen.append(tp.gather(-1, logits.topk(3, -1).indices).sum(-1).mean()) or
+               tp.sum(-1))
+    assert m["heldout_topk_mass"][0] == pytest.approx(seen[0].item(), rel=1e-5)

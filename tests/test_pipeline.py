@@ -15,10 +15,10 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 STAGES = ["build-dataset", "train-tokenizer", "encode", "train-target", "init-tokenizer", "init-target", "sample",
           "premise", "fid-reference", "train-judge", "evaluate", "train-drafter", "cache-logits", "ablate-lid",
-          "bench"]
+          "laion-fixture", "build-corpus", "bench"]
 DAG = ["build-dataset", "train-tokenizer", "encode", "train-target", "sample", "premise", "fid-reference",
        "train-judge", "evaluate", "train-drafter", "cache-logits", "ablate-lid", "bench-spec",
-       "bench"]
+       "laion-fixture", "build-laion-coco", "build-self-generated", "bench"]
 
 
 def micro_repo(tmp_path: Path) -> Path:
@@ -86,7 +86,15 @@ def test_dvc_repro_micro(tmp_path):
         assert c["tokens"] == (48 + 12) * 16 and c["bytes_per_token"] > 0 and c["target_sha256"] == target_sha
         ab = json.loads((repo / f"reports/ablation/{world}/metrics.json").read_text())
         assert ab["baseline_tau"] >= 1.0 and ab["lid_tau"] >= 1.0 and ab["steps"] == 4
+        for curves in (repo / f"reports/drafter/{world}", repo / f"reports/ablation/{world}/lid"):
+            assert len((curves / "train.csv").read_text().splitlines()) == 1 + 4
+            assert len((curves / "heldout.csv").read_text().splitlines()) == 1 + 2
+        gen = json.loads((repo / f"reports/corpora/self-generated-{world}.json").read_text())
+        assert gen["sequences"] == 8 and gen["target_sha256"] == target_sha
         assert "| exact-auto |" in (repo / f"reports/bench/{world}.md").read_text()
+    laion = json.loads((repo / "reports/corpora/laion-coco.json").read_text())
+    assert laion["counts"]["metadata_rows"] == 40 and 0 < laion["sequences"] < 40
+    assert "heldout_topk_mass_s0" in run([str(BIN / "dvc"), "plots", "show", "--json"], repo)
     bench = json.loads((repo / "reports/bench/vanilla.json").read_text())
     assert [r["cfg_scale"] for r in bench["rows"]] == [1.0, 2.0] and all(r["tokens_per_s"] > 0 for r in bench["rows"])
     assert "didn't change" in run([str(BIN / "dvc"), "repro"], repo)  # nothing reruns
@@ -116,6 +124,8 @@ def test_prefect_flow_micro(tmp_path):
     assert metrics["emoji-t2i"]["bench_spec"]["vanilla"]["speedup"] == 1.0
     assert (repo / "data/drafter/fashion-c2i/drafter.safetensors").is_file()
     assert metrics["emoji-t2i"]["cache"]["sequences"] == 48 and (repo / "data/cache/emoji-t2i/manifest.json").is_file()
+    assert metrics["fashion-c2i"]["self_generated"]["sequences"] == 8 and metrics["laion_coco"]["sequences"] > 0
+    assert (repo / "reports/drafter/emoji-t2i/heldout.csv").is_file()
 
 
 def test_stages_import_an_official_checkpoint(tmp_path):
