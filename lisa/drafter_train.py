@@ -225,6 +225,7 @@ def train_drafter(drafter: Eagle3Drafter, target: Transformer, tokens: Tensor, c
     held = extra.get("heldout_curve", torch.zeros(0, len(held_cols))).tolist()
     taps, C = tuple(drafter.config.taps), target.config.cls_token_num
     module = TTTLoss(drafter, cfg.ttt_steps, cfg.ttt_decay, C)
+    codebook = lid[0].to(device) if lid is not None else None
     model = torch.nn.parallel.DistributedDataParallel(module) if world > 1 else module
     gen = torch.Generator()
     drafter.train()
@@ -244,12 +245,13 @@ def train_drafter(drafter: Eagle3Drafter, target: Transformer, tokens: Tensor, c
         opt.zero_grad(set_to_none=True)
         stats = torch.zeros(1 + 2 * cfg.ttt_steps)
         for m in range(cfg.grad_accum):
-            rows = idx[(rank * cfg.grad_accum + m) * micro : (rank * cfg.grad_accum + m + 1) * micro]
+            share = slice((rank * cfg.grad_accum + m) * micro, (rank * cfg.grad_accum + m + 1) * micro)
+            rows = idx[share]
             with torch.no_grad(), torch.autocast(device.type, amp, enabled=amp is not None):
                 if cache is None:
                     batch_tokens = tokens[rows].to(device)
-                    d = drop[(rank * cfg.grad_accum + m) * micro : (rank * cfg.grad_accum + m + 1) * micro]
-                    hidden, p = target_features(target, cond[rows].to(device), batch_tokens, d.to(device), taps)
+                    hidden, p = target_features(target, cond[rows].to(device), batch_tokens, drop[share].to(device),
+                                                taps)
                     step_loss = loss_fn
                 else:
                     batch_tokens = cache.token[rows].to(device)
@@ -257,7 +259,7 @@ def train_drafter(drafter: Eagle3Drafter, target: Transformer, tokens: Tensor, c
                                                    cache.uncond[rows].to(device), taps=taps, logits=False).hidden
                     p = CachedTargets(cache.topk_idx[rows].to(device), cache.topk_logit[rows].to(device),
                                       cache.lse[rows].to(device))
-                    step_loss = lid_loss_fn(lid[0].to(device), lid[1], step) if lid is not None else cached_soft_ce
+                    step_loss = lid_loss_fn(codebook, lid[1], step) if lid is not None else cached_soft_ce
             sync = m + 1 == cfg.grad_accum or world == 1
             with (contextlib.nullcontext() if sync else model.no_sync()), \
                     torch.autocast(device.type, amp, enabled=amp is not None):
