@@ -32,7 +32,9 @@ def lisa_full(params_path: str = "params.yaml", root: str = ".") -> dict:
             m["self_generated"] = t.build_self_generated(params_path, name, root)
             m["cache"] = t.cache_logits(params_path, name, root)
             m["ablate_lid"] = t.ablate_lid(params_path, name, root)
+            m["calibrate"] = t.calibrate(params_path, name, root)
             m["bench_spec"] = t.bench_spec(params_path, name, root)
+            m["cells"] = {c: t.eval_method(params_path, name, c, root) for c in load_params(params_path).table.cells}
         else:
             m["tokenizer"] = t.init_tokenizer(params_path, name, root)
             m["target"] = t.init_target(params_path, name, root)
@@ -41,6 +43,8 @@ def lisa_full(params_path: str = "params.yaml", root: str = ".") -> dict:
     if laion_world in worlds and worlds[laion_world].dataset is not None:  # the fixture needs the emoji world
         metrics["laion_fixture"] = t.laion_fixture(params_path, root)
         metrics["laion_coco"] = t.build_laion_coco(params_path, root)
+    if all(w.dataset is not None for w in worlds.values()):
+        metrics["table"] = t.table(params_path, root)
     metrics["bench"] = t.bench(params_path, root)
     return metrics
 

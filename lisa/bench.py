@@ -134,20 +134,26 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
                       repeats: int, warmup: int, seed: int, geometry=None, auto=None,
                       vq_decode: Optional[Callable] = None, progress: bool = True) -> dict:
     """Time every method on every condition batch, interleaved (the method order rotates each pass), after
-    `warmup` passes. conditions: dicts {"label", "cond" (b, ...), "cond_mask" or None}; methods: BenchMethod-like
+    `warmup` passes. drafter: one drafter, or {BenchMethod.drafter: drafter} when methods use different ones.
+    conditions: dicts {"label", "cond" (b, ...), "cond_mask" or None}; methods: BenchMethod-like
     (name, method, tree, depth, top_k_draft, total_tokens, window, options). Each (condition, pass) has one seed
     shared by all methods. A method with tree "auto" is first resolved by the cost model (lisa.costmodel) on the
     first `auto.calib_conditions` conditions. Returns the report dict (see `speculative_markdown`)."""
     device = next(target.parameters()).device
     rows = (2 if sampling.use_cfg else 1) * conditions[0]["cond"].shape[0]
     T = target.config.block_size
+    drafters = drafter if isinstance(drafter, dict) else {getattr(m, "drafter", "release"): drafter for m in methods}
+
+    def drafter_of(m):
+        return drafters.get(getattr(m, "drafter", "release"))
+
     choices, picked = {}, {}  # (verifier, knobs) -> costmodel.Choice; method name -> its Choice
     methods = list(methods)
     for i, m in enumerate(methods):
         if m.tree == "auto":
-            key = (m.method, tuple(sorted(m.options.items())), m.top_k_draft)
+            key = (m.method, tuple(sorted(m.options.items())), m.top_k_draft, getattr(m, "drafter", "release"))
             if key not in choices:
-                choices[key] = auto_tree(target, drafter, conditions[: auto.calib_conditions], m, sampling, seed,
+                choices[key] = auto_tree(target, drafter_of(m), conditions[: auto.calib_conditions], m, sampling, seed,
                                          geometry, auto, progress)
             picked[m.name] = choices[key]
             methods[i] = replace(m, tree="dynamic", depth=choices[key].depth, total_tokens=choices[key].total_tokens)
@@ -156,12 +162,12 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
         spec = None
         if m.method not in ("vanilla", "sjd", "gsd"):
             spec = SpecConfig(m.method, m.tree, m.depth, m.top_k_draft, m.total_tokens)
-        return decoder(target, m.method, drafter, spec, m.window, geometry, dict(m.options))
+        return decoder(target, m.method, drafter_of(m), spec, m.window, geometry, dict(m.options))
 
     decoders = {m.name: make(m) for m in methods}
     timers = {"target": ForwardTimer(target, device)}
-    if drafter is not None:
-        timers["drafter"] = ForwardTimer(drafter, device)
+    for i, d in enumerate({id(d): d for d in drafters.values() if d is not None}.values()):
+        timers[f"drafter{i}"] = ForwardTimer(d, device)
     runs = {m.name: [] for m in methods}  # per (pass >= warmup, condition): time and stats
     images = sum(c["cond"].shape[0] for c in conditions)
     bar = tqdm(total=(warmup + repeats) * len(conditions) * len(methods), desc="bench speculative", unit="run",
@@ -185,7 +191,7 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
                     runs[m.name].append({
                         "pass": r - warmup, "condition": ci, "wall_s": wall, "forwards": stats["forwards"],
                         "target_s": timers["target"].seconds,
-                        "drafter_s": timers["drafter"].seconds if "drafter" in timers else 0.0,
+                        "drafter_s": sum(t.seconds for k, t in timers.items() if k.startswith("drafter")),
                         "accept_lengths": stats.get("accept_lengths", [[1] * (T - 1)] * c["cond"].shape[0]),
                         "tokens": tokens})
     finally:

@@ -68,7 +68,7 @@ def cmd_train_target(a):
 
 
 def cmd_sample(a):
-    from lisa.stages import DRAFTER_FILE, TARGET_FILE, TOKENIZER_FILE, layout, sample
+    from lisa.stages import CALIBRATION_FILE, DRAFTER_FILE, TARGET_FILE, TOKENIZER_FILE, layout, sample
 
     p = load_params(a.params)
     where = layout(a.world)
@@ -80,7 +80,8 @@ def cmd_sample(a):
 
         params = dataclasses.replace(params, method=a.method)
     drafter = a.drafter or where["drafter"] / DRAFTER_FILE
-    return sample(target, tokenizer, p.world(a.world), params, a.out or where["samples"], drafter)
+    return sample(target, tokenizer, p.world(a.world), params, a.out or where["samples"], drafter,
+                  where["calibration"] / CALIBRATION_FILE)
 
 
 def cmd_premise(a):
@@ -192,7 +193,7 @@ def cmd_ablate_lid(a):
 
 
 def cmd_bench(a):
-    from lisa.stages import DRAFTER_FILE, TARGET_FILE, TOKENIZER_FILE, bench, bench_spec, layout
+    from lisa.stages import CALIBRATION_FILE, DRAFTER_FILE, TARGET_FILE, TOKENIZER_FILE, bench, bench_spec, layout
 
     p = load_params(a.params)
     if a.world is None:
@@ -200,7 +201,43 @@ def cmd_bench(a):
     where = layout(a.world)
     return bench_spec(where["target"] / TARGET_FILE, where["tokenizer"] / TOKENIZER_FILE,
                       a.drafter or where["drafter"] / DRAFTER_FILE, p.world(a.world), p.sample, p.bench_spec,
-                      a.out or where["bench"], a.world)
+                      a.out or where["bench"], a.world, where["lid_drafter"],
+                      where["calibration"] / CALIBRATION_FILE)
+
+
+def cmd_calibrate(a):
+    from lisa.stages import TARGET_FILE, TOKENIZER_FILE, calibrate, layout
+
+    p = load_params(a.params)
+    p.world(a.world)
+    where = layout(a.world)
+    return calibrate(a.target or where["target"] / TARGET_FILE, where["tokenizer"] / TOKENIZER_FILE,
+                     a.cache or where["cache"], p.calibrate, a.out or where["calibration"], where["calibration_report"])
+
+
+def cmd_eval_method(a):
+    from lisa.stages import (CALIBRATION_FILE, CODES_FILE, DRAFTER_FILE, REFERENCE_FILE, TARGET_FILE, TOKENIZER_FILE,
+                             eval_method, layout)
+
+    p = load_params(a.params)
+    if a.method not in p.table.cells:
+        raise ValueError(f"--method {a.method!r}: not a key of params table.cells {sorted(p.table.cells)}")
+    where = layout(a.world)
+    return eval_method(where["target"] / TARGET_FILE, where["tokenizer"] / TOKENIZER_FILE, where["codes"] / CODES_FILE,
+                       where["quality"] / REFERENCE_FILE, where["judge"], p.world(a.world), a.method, p.table,
+                       p.quality, {"release": where["drafter"] / DRAFTER_FILE, "lid": where["lid_drafter"]},
+                       where["calibration"] / CALIBRATION_FILE, a.out or where["cells"], where["cells_work"])
+
+
+def cmd_table(a):
+    from lisa.stages import layout, results_table
+
+    p = load_params(a.params)
+    out = a.out or "reports"
+    from pathlib import Path
+
+    return results_table(list(p.worlds), p.table, layout("-")["bench"], lambda w: layout(w)["cells"],
+                         Path(out) / "table.md", Path(out) / "pareto.png")
 
 
 def cmd_profile(a):
@@ -247,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--target", default=None, help="target .safetensors (default: data/target/<world>/...)")
     s.add_argument("--tokenizer", default=None, help="tokenizer .safetensors (default: data/tokenizer/<world>/...)")
     s.add_argument("--method", default=None, help="vanilla (default: params sample.method), or a verifier: "
-                   "greedy, exact, lantern (with a drafter), sjd, gsd")
+                   "greedy, exact, lantern, gasv (with a drafter; gasv reads data/calibration/<world>), sjd, gsd")
     s.add_argument("--drafter", default=None, help="drafter .safetensors (default: data/drafter/<world>/...)")
     stage("premise", cmd_premise, "LISA's premise on held-out data: entropy, top-1 prob, codebook-neighbourhood "
           "mass -> reports/premise/<world>.json")
@@ -297,6 +334,17 @@ def build_parser() -> argparse.ArgumentParser:
               "random-weight target vs its bare forwards -> reports/bench/vanilla.{json,md}", world=False)
     s.add_argument("--world", default=None, help="world name: the speculative benchmark of its target")
     s.add_argument("--drafter", default=None, help="drafter .safetensors (default: data/drafter/<world>/...)")
+    s = stage("calibrate", cmd_calibrate, "GASV's calibration of a world's target: whitening, k-means clusters of "
+              "the output head, drift budgets from the logit cache, neighbour table -> data/calibration/<world>/, "
+              "reports/calibration/<world>.json")
+    s.add_argument("--target", default=None, help="target .safetensors (default: data/target/<world>/...)")
+    s.add_argument("--cache", default=None, help="logit cache folder (default: data/cache/<world>)")
+    s = stage("eval-method", cmd_eval_method, "one quality cell of the results table: samples decoded with a method "
+              "of params table.cells, FID / KID, judge score, tau and the measured TV relaxation "
+              "-> reports/quality/<world>/methods/<method>.{json,png}")
+    s.add_argument("--method", required=True, help="a key of params table.cells")
+    stage("table", cmd_table, "the results table and the tau-FID Pareto plot from bench-spec and eval-method "
+          "-> reports/table.{md,json}, reports/pareto.png", world=False)
     p = sub.add_parser("profile", help="print a named params profile (micro) to stdout")
     p.add_argument("name")
     p.set_defaults(fn=cmd_profile)

@@ -261,7 +261,8 @@ class BenchMethod:
     top_k_draft: int = 4
     total_tokens: int = 16
     window: int = 16  # sjd / gsd
-    options: dict[str, float] = Field(default_factory=dict)  # verifier knobs (lantern k / delta, gsd ...)
+    options: dict[str, float] = Field(default_factory=dict)  # verifier knobs (lantern k / delta, gsd, gasv ...)
+    drafter: Literal["release", "lid"] = "release"  # data/drafter/<world> (baseline loss) | the LID drafter of ablate-lid
 
 
 @dataclass(config=STRICT)
@@ -288,6 +289,47 @@ class BenchSpecParams(SamplingParams):
 
 
 @dataclass(config=STRICT)
+class CalibrateParams:
+    """GASV's offline calibration (lisa/calibrate.py): clusters, budgets, neighbour table for one target."""
+    clusters: int = 64
+    budget_quantile: float = 0.5
+    min_count: int = 256
+    positions: int = 65536
+    neighbours: int = 64
+    eps: float = 1e-6
+    seed: int = 0
+
+
+@dataclass(config=STRICT)
+class TableCell:
+    """One quality cell of the results table (a method without its name: the key of `table.cells`)."""
+    method: str = "vanilla"
+    tree: str = "dynamic"
+    depth: int = 4
+    top_k_draft: int = 4
+    total_tokens: int = 16
+    window: int = 16
+    options: dict[str, float] = Field(default_factory=dict)
+    drafter: Literal["release", "lid"] = "release"
+    bench: Optional[str] = None  # the bench_spec.methods entry this cell is timed as (default: the cell's key)
+
+    def as_method(self, name: str) -> BenchMethod:
+        return BenchMethod(name, self.method, self.tree, self.depth, self.top_k_draft, self.total_tokens, self.window,
+                           dict(self.options), self.drafter)
+
+
+@dataclass(config=STRICT)
+class TableParams(SamplingParams):
+    """The results table (reports/table.md): per world and method, speedup and tau from `bench-spec`, FID / KID,
+    the judge's score and the measured TV relaxation from an `eval-method` cell of `num_samples` samples."""
+    num_samples: int = 200
+    batch_size: int = 50
+    rows: list[str] = Field(default_factory=lambda: ["vanilla"])  # table rows: names in cells and bench_spec.methods
+    pareto: list[str] = Field(default_factory=list)  # cells on the tau-FID plot (a kappa / lambda sweep)
+    cells: dict[str, TableCell] = Field(default_factory=lambda: {"vanilla": TableCell()})
+
+
+@dataclass(config=STRICT)
 class Params:
     worlds: dict[str, WorldParams]
     build_dataset: BuildDatasetParams = Field(default_factory=BuildDatasetParams)
@@ -307,6 +349,8 @@ class Params:
     evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
     bench: BenchParams = Field(default_factory=BenchParams)
     bench_spec: BenchSpecParams = Field(default_factory=BenchSpecParams)
+    calibrate: CalibrateParams = Field(default_factory=CalibrateParams)
+    table: TableParams = Field(default_factory=TableParams)
 
     def world(self, name: str) -> WorldParams:
         if name not in self.worlds:
@@ -345,6 +389,22 @@ def parse_params(raw: Any, source: str = "params.yaml") -> Params:
         if world.target_checkpoint is None and g.vocab_size != v.codebook_size:
             raise ConfigError(f"{source}: world {name!r}: target vocab_size {g.vocab_size} != tokenizer "
                               f"codebook_size {v.codebook_size}")
+    for name in params.table.cells:
+        if "." in name or "@" in name:
+            raise ConfigError(f"{source}: section 'table': cell key {name!r}: no '.' or '@' (DVC stage and param "
+                              "names); name the bench method in the cell's `bench` field instead")
+    for name in params.table.rows + params.table.pareto:
+        if name not in params.table.cells:
+            raise ConfigError(f"{source}: section 'table': {name!r} is listed but not defined in table.cells")
+    bench_names = {m.name: m for m in params.bench_spec.methods}
+    for name in params.table.rows:
+        b = params.table.cells[name].bench or name
+        if b not in bench_names:
+            raise ConfigError(f"{source}: section 'table': row {name!r} is timed as {b!r}, which is not in "
+                              "bench_spec.methods (its speedup and tau come from there)")
+        if params.table.cells[name].as_method(b) != bench_names[b]:
+            raise ConfigError(f"{source}: section 'table': cells.{name} differs from bench_spec.methods' {b!r}: "
+                              "a row's quality and speed must come from the same method")
     try:
         gpt_config(**params.bench.target)
     except (ValueError, TypeError) as e:

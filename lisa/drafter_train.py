@@ -186,8 +186,9 @@ def write_curves(out: Path, log: list, held: list, ttt_steps: int):
 def train_drafter(drafter: Eagle3Drafter, target: Transformer, tokens: Tensor, cond: Tensor, test_tokens: Tensor,
                   test_cond: Tensor, cfg, work_dir: str | Path, progress: bool = True,
                   loss_fn: Callable[[Tensor, Tensor], Tensor] = soft_ce, cache=None,
-                  lid: Optional[tuple] = None, curves: Optional[Path] = None) -> dict:
-    """Train on (tokens (N, T), cond); resumable from work_dir/resume.pt. Returns held-out TTT metrics.
+                  lid: Optional[tuple] = None, curves: Optional[Path] = None, target_id: str = "") -> dict:
+    """Train on (tokens (N, T), cond); resumable from work_dir/resume.pt (only by a run against the same target:
+    `target_id`, e.g. its sha256, is kept in the resume file). Returns held-out TTT metrics.
 
     cache: a lisa.cache.LogitCache of this target over (tokens, cond): batches are drawn from its rows (its
     conditional and unconditional passes), labels are its top-K, and the target runs only up to its highest
@@ -218,7 +219,16 @@ def train_drafter(drafter: Eagle3Drafter, target: Transformer, tokens: Tensor, c
     drafter.to(device)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    key = torch.frombuffer(bytearray(target_id.encode() or b"-"), dtype=torch.uint8)
+    if resume.is_file() and rank == 0:
+        old = torch.load(resume, map_location="cpu", weights_only=True).get("target_id", key)
+        if not torch.equal(old, key):
+            print(f"{resume}: a checkpoint of a run against another target: starting from step 0")
+            resume.unlink()
+    if world > 1:
+        dist.barrier()
     step, extra = load_resume(resume, drafter, opt, cfg)
+    extra.pop("target_id", None)
     elapsed, t0 = float(extra.get("elapsed_s", 0.0)), time.perf_counter()
     train_cols, held_cols = curve_columns(cfg.ttt_steps)
     log = extra.get("curve", torch.zeros(0, len(train_cols))).tolist()
@@ -283,7 +293,7 @@ def train_drafter(drafter: Eagle3Drafter, target: Transformer, tokens: Tensor, c
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
             if rank == 0:
                 save_resume(resume, drafter, opt, cfg, step + 1,
-                            {"elapsed_s": torch.tensor(elapsed + time.perf_counter() - t0),
+                            {"elapsed_s": torch.tensor(elapsed + time.perf_counter() - t0), "target_id": key,
                              "curve": torch.tensor(log, dtype=torch.float64),
                              "heldout_curve": torch.tensor(held, dtype=torch.float64)})
             if world > 1:

@@ -148,7 +148,8 @@ def _dup(x: Tensor, use_cfg: bool) -> Tensor:
 def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: SamplingConfig, spec: SpecConfig,
                          generator: Optional[torch.Generator] = None, num_tokens: Optional[int] = None,
                          cond_mask: Optional[Tensor] = None, geometry=None, options: Optional[dict] = None,
-                         trace: Optional[list] = None, forced: Optional[Tensor] = None) -> tuple[Tensor, dict]:
+                         trace: Optional[list] = None, forced: Optional[Tensor] = None,
+                         measure: bool = False) -> tuple[Tensor, dict]:
     """Speculative sampling of image tokens (B, T) with an EAGLE-3 drafter; each row accepts its own length.
 
     Layout. Target cache: condition prefix at slots 0..C-1, image token j at slot C + j once accepted; a round
@@ -161,7 +162,9 @@ def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: S
     trace: a list that receives, per round, the draft tree's node scores and depths, the accepted path and its
     length, and which rows were live (what lisa.costmodel learns acceptance from). forced: (T,) grammar tokens,
     -1 = free (force_tokens): both models' distributions are one-hot there, so they are never drafted freely
-    nor sampled, and the emitted sequence has them exactly in place.
+    nor sampled, and the emitted sequence has them exactly in place. measure: stats["tv"] (B, T) gets the total
+    variation between the law each token was emitted from and the target's distribution there (lisa.verify.walk;
+    0 at the prefill token).
     """
     cfg = target.config
     T = num_tokens or cfg.block_size
@@ -205,6 +208,7 @@ def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: S
     root_logits, root_hidden = d.logits[:, 0], d.hidden[:, :1]  # (GB, V), (GB, 1, H)
 
     forwards, accepted, rounds = 1, [], 0
+    tv = torch.zeros(B, T, device=dev) if measure else None
     while bool((n < T).any()):
         rounds += 1
         live = n < T
@@ -222,9 +226,11 @@ def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: S
         forwards += 1
         g_logits, p = probs_of(out.logits)  # (B, S, V)
         p = force_tokens(p, n[:, None] + torch.cat([torch.zeros_like(tree.depth[:, :1]), tree.depth], 1), forced)
-        verdict = verifier(verify.VerifyContext(p, tree, logits=g_logits, geometry=geometry, options=options),
-                           generator)
+        verdict = verifier(verify.VerifyContext(p, tree, logits=g_logits, geometry=geometry, options=options,
+                                                measure=measure), generator)
         m = verdict.n_accepted  # (B,)
+        if tv is not None:
+            _record_tv(tv, verdict.tv, n, m, live)
         M = int(m.max())
         if trace is not None:
             trace.append({"scores": tree.scores, "depth": tree.depth, "path": verdict.path, "m": m, "live": live})
@@ -265,7 +271,16 @@ def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: S
     live_rounds = acc > 0
     return tokens, {"forwards": forwards, "rounds": rounds,
                     "tau": float(acc[live_rounds].float().mean()) if live_rounds.any() else 0.0,
-                    "accept_lengths": acc.T.tolist()}
+                    "accept_lengths": acc.T.tolist(), **({"tv": tv} if tv is not None else {})}
+
+
+def _record_tv(tv: Tensor, round_tv: Tensor, n: Tensor, m: Tensor, live: Tensor) -> None:
+    """tv (B, T): the round's per-visited-node TV (B, D + 1) at the positions n .. n + m it emitted."""
+    B, T = tv.shape
+    for level in range(round_tv.shape[1]):
+        write = live & (level <= m) & (n + level < T)
+        if write.any():
+            tv[write, (n + level)[write]] = round_tv[write, level]
 
 
 def tree_forward(target: Transformer, root: Tensor, tree, base: Tensor, key_mask: Optional[Tensor], use_cfg: bool,
@@ -362,12 +377,12 @@ def _draft_chain(drafter, root_logp, root_hidden, n, depth, C, use_cfg, sampling
 def jacobi_generate(target: Transformer, cond: Tensor, sampling: SamplingConfig, verifier: str = "sjd",
                     window: int = 16, generator: Optional[torch.Generator] = None, num_tokens: Optional[int] = None,
                     cond_mask: Optional[Tensor] = None, geometry=None, options: Optional[dict] = None,
-                    forced: Optional[Tensor] = None):
+                    forced: Optional[Tensor] = None, measure: bool = False):
     """Drafter-free speculative decoding (SJD; GSD with verifier="gsd"): a window of `window` draft tokens (new
     positions start uniformly random) is refined by the target itself. Each iteration feeds [last token, drafts]
     in one forward; drafts are verified against the distributions they were drawn from; the drafts after the
     first rejection are re-drawn from this iteration's distributions (Jacobi), and the window is refilled.
-    forced: (T,) grammar tokens, -1 = free (force_tokens).
+    forced: (T,) grammar tokens, -1 = free (force_tokens). measure: stats["tv"] as in speculative_generate.
     Returns (tokens (B, T), {"forwards", "rounds", "tau", "accept_lengths"})."""
     cfg = target.config
     T = num_tokens or cfg.block_size
@@ -390,6 +405,7 @@ def jacobi_generate(target: Transformer, cond: Tensor, sampling: SamplingConfig,
     q = torch.full((B, L, V), 1.0 / V, device=dev)  # what each draft was drawn from
     drafts = sample_from(q, generator)
     forwards, accepted, rounds = 1, [], 0
+    tv = torch.zeros(B, T, device=dev) if measure else None
     while bool((n < T).any()):
         rounds += 1
         live = n < T
@@ -400,8 +416,10 @@ def jacobi_generate(target: Transformer, cond: Tensor, sampling: SamplingConfig,
         g_logits, p = probs_of(out.logits)  # (B, L + 1, V): row i = distribution of draft i's position
         p = force_tokens(p, n[:, None] + torch.arange(L + 1, device=dev), forced)
         v = fn(verify.VerifyContext(p, tree, logits=g_logits, sampled_siblings=True, geometry=geometry,
-                                    options=options), generator)
+                                    options=options, measure=measure), generator)
         m = v.n_accepted
+        if tv is not None:
+            _record_tv(tv, v.tv, n, m, live)
         for i in range(L + 1):  # accepted drafts are already at their sequence slots (a chain): just record them
             write = live & (i <= m) & (n + i < T)
             tok = torch.where(i < m, drafts[:, min(i, L - 1)], v.next_token)
@@ -416,16 +434,17 @@ def jacobi_generate(target: Transformer, cond: Tensor, sampling: SamplingConfig,
         n = torch.where(live, (n + m + 1).clamp(max=T), n)
     acc = torch.stack(accepted)
     return tokens, {"forwards": forwards, "rounds": rounds, "tau": float(acc[acc > 0].float().mean()),
-                    "accept_lengths": acc.T.tolist()}
+                    "accept_lengths": acc.T.tolist(), **({"tv": tv} if tv is not None else {})}
 
 
 def decoder(target: Transformer, method: str = "vanilla", drafter=None, spec: Optional[SpecConfig] = None,
-            window: int = 16, geometry=None, options: Optional[dict] = None) -> Callable:
+            window: int = 16, geometry=None, options: Optional[dict] = None, measure: bool = False) -> Callable:
     """The Python API behind `lisa sample --method`: a function (cond, sampling, generator, cond_mask=None,
     forced=None) -> (tokens (B, T), stats) decoding with `method`: "vanilla", or a verifier name (greedy / exact / lantern / ...
     with an EAGLE-3 `drafter` and a `spec` tree; sjd / gsd run drafter-free over a `window`). Relaxed verifiers
     read `geometry` (lisa.verify.Geometry) and their knobs from `options`. stats holds "forwards" and, for the
-    speculative methods, "tau" and the per-round "accept_lengths"."""
+    speculative methods, "tau" and the per-round "accept_lengths" (and with measure, "tv": see
+    speculative_generate)."""
     if method == "vanilla":
         return lambda c, s, g, cond_mask=None, forced=None: generate(target, c, s, g, cond_mask=cond_mask,
                                                                       forced=forced)
@@ -433,7 +452,8 @@ def decoder(target: Transformer, method: str = "vanilla", drafter=None, spec: Op
         raise ValueError(f"decoding method {method!r}: not 'vanilla' nor a verifier {sorted(verify.VERIFIERS)}")
     if method in ("sjd", "gsd"):
         return lambda c, s, g, cond_mask=None, forced=None: jacobi_generate(
-            target, c, s, method, window, g, cond_mask=cond_mask, geometry=geometry, options=options, forced=forced)
+            target, c, s, method, window, g, cond_mask=cond_mask, geometry=geometry, options=options, forced=forced,
+            measure=measure)
     if drafter is None:
         raise ValueError(f"decoding method {method!r} verifies a drafter's trees: give a drafter "
                          "(`lisa train-drafter`)")
@@ -441,4 +461,5 @@ def decoder(target: Transformer, method: str = "vanilla", drafter=None, spec: Op
     if spec.verifier != method:
         spec = SpecConfig(method, spec.tree, spec.depth, spec.top_k, spec.total_tokens)
     return lambda c, s, g, cond_mask=None, forced=None: speculative_generate(
-        target, drafter, c, s, spec, g, cond_mask=cond_mask, geometry=geometry, options=options, forced=forced)
+        target, drafter, c, s, spec, g, cond_mask=cond_mask, geometry=geometry, options=options, forced=forced,
+        measure=measure)

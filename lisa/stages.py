@@ -3,8 +3,8 @@
 The CLI (`lisa <stage>`, called by dvc.yaml) and the Prefect tasks (tasks/) call these same functions.
 The built-in worlds run `build-dataset` -> `train-tokenizer` -> `encode` -> `train-target` -> `sample`; a world of
 official checkpoints uses `init-tokenizer` / `init-target` (import, or random init) instead of the two training
-stages. `bench` measures vanilla decode speed against the bare forwards. Later issues add caching, calibration,
-drafter training and evaluation.
+stages. `bench` measures vanilla decode speed against the bare forwards. Then: logit caching, drafter training,
+GASV calibration, the speculative benchmark, quality per method (`eval-method`) and the results table.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from lisa import cache, data, fid, judges, quality
 from lisa.bench import auto_tree, bench_speculative, bench_vanilla, markdown_table, speculative_markdown
 from lisa.checkpoint import atomic_write, file_sha256, load_artifact, read_state_dict, save_artifact, write_json
 from lisa.config import (AblateLIDParams, AutoTreeParams, BenchMethod, BenchParams, BenchSpecParams, BuildDatasetParams,
-                         CacheLogitsParams, CorporaParams, EncodeParams, EvaluateParams, InitTargetParams, InitTokenizerParams,
+                         CacheLogitsParams, CalibrateParams, TableParams, CorporaParams, EncodeParams, EvaluateParams, InitTargetParams, InitTokenizerParams,
                          PremiseParams, QualityParams, SampleParams, SelfGeneratedParams, TrainDrafterParams, TrainJudgeParams,
                          TrainTargetParams, TrainTokenizerParams, WorldParams)
 from lisa.generate import generate
@@ -39,6 +39,7 @@ from lisa.text import CaptionEncoder
 from lisa.train import train_gpt, train_vq
 
 TARGET_FILE = "model.safetensors"
+CALIBRATION_FILE = "calibration.safetensors"
 TOKENIZER_FILE = "tokenizer.safetensors"
 
 
@@ -76,6 +77,11 @@ def layout(world: str, root: str | Path = ".") -> dict[str, Path]:
         "ablation_work": root / "data" / "work" / "ablation" / world,
         "ablation_report": root / "reports" / "ablation" / world,
         "cache_report": root / "reports" / "cache" / f"{world}.json",
+        "calibration": root / "data" / "calibration" / world,
+        "calibration_report": root / "reports" / "calibration" / f"{world}.json",
+        "lid_drafter": root / "data" / "ablation" / world / "lid.safetensors",
+        "cells": root / "reports" / "quality" / world / "methods",
+        "cells_work": root / "data" / "work" / "quality" / world / "methods",
     }
 
 
@@ -217,7 +223,8 @@ def train_target(codes_path: str | Path, world: WorldParams, p: TrainTargetParam
 
 
 def sample(target_path: str | Path, tokenizer_path: str | Path, world: WorldParams, p: SampleParams,
-           out_dir: str | Path, drafter_path: Optional[str | Path] = None) -> dict:
+           out_dir: str | Path, drafter_path: Optional[str | Path] = None,
+           calibration_path: Optional[str | Path] = None) -> dict:
     """Sampling, `per_class` images per grid row: one row per class (c2i) or per prompt (t2i); with
     `p.method` vanilla, or speculative (a verifier name; greedy / exact / lantern need `drafter_path`)."""
     model, target_meta = load_target(target_path)
@@ -243,7 +250,8 @@ def sample(target_path: str | Path, tokenizer_path: str | Path, world: WorldPara
     tokens, images, decode_s = [], [], 0.0
     t0 = time.perf_counter()
     auto = {}
-    decode = _decoder(model, vq, target_meta, p, drafter_path, calib=cond[: p.batch_size], auto=auto)
+    decode = _decoder(model, vq, target_meta, p, drafter_path, calib=cond[: p.batch_size], auto=auto,
+                      calibration_path=calibration_path)
     taus = []
     for batch in tqdm(cond.split(p.batch_size), desc=f"sample ({p.method})", unit="batch"):
         tok, stats = decode(batch, sampling, gen)
@@ -276,16 +284,17 @@ def sample(target_path: str | Path, tokenizer_path: str | Path, world: WorldPara
     return metrics
 
 
-def _decoder(model, vq, target_meta: dict, p: SampleParams, drafter_path, calib=None, auto: Optional[dict] = None):
+def _decoder(model, vq, target_meta: dict, p: SampleParams, drafter_path, calib=None, auto: Optional[dict] = None,
+             calibration_path=None):
     """(cond, sampling, generator) -> (tokens, stats) for the method p.method. With p.tree "auto", the cost model
     picks depth and total_tokens from decoding the conditions `calib` on this machine (recorded in `auto`)."""
     from lisa.generate import SpecConfig, decoder
-    from lisa.verify import VERIFIERS, Geometry
+    from lisa.verify import VERIFIERS
 
     if p.method != "vanilla" and p.method not in VERIFIERS:
         raise ValueError(f"sample.method {p.method!r}: not 'vanilla' nor a verifier {sorted(VERIFIERS)}")
     # the neighbour table is V x V work: only for the verifiers that read it
-    geometry = Geometry.from_codebook(vq.codebook(), p.neighbours) if p.method in ("lantern", "gsd") else None
+    geometry = load_geometry(model, target_meta, vq, [BenchMethod(p.method, p.method)], p.neighbours, calibration_path)
     drafter = None
     if p.method not in ("vanilla", "sjd", "gsd"):
         if drafter_path is None or not Path(drafter_path).is_file():
@@ -338,15 +347,48 @@ def bench(p: BenchParams, out_dir: str | Path) -> dict:
     return result
 
 
-DRAFTER_VERIFIERS = ("greedy", "exact", "lantern")  # verifiers of a drafter's trees (sjd / gsd draft themselves)
+DRAFTER_VERIFIERS = ("greedy", "exact", "lantern", "gasv")  # verifiers of a drafter's trees (sjd / gsd draft themselves)
+
+
+def method_drafters(methods, paths: dict, target_meta: dict) -> dict:
+    """{"release" | "lid": drafter} for the drafters the methods use (BenchMethod.drafter), checked against the target."""
+    out = {}
+    for which in sorted({m.drafter for m in methods if m.method in DRAFTER_VERIFIERS or m.tree == "auto"}):
+        path = paths.get(which)
+        if path is None or not Path(path).is_file():
+            users = [m.name for m in methods if m.drafter == which and m.method != "vanilla"]
+            raise FileNotFoundError(f"methods {users} need the {which} drafter: {path} not found "
+                                    f"({'`lisa train-drafter`' if which == 'release' else '`lisa ablate-lid`'})")
+        out[which] = load_drafter(path, target_meta)
+    return out
+
+
+def load_geometry(target, target_meta: dict, vq, methods, neighbours: int,
+                  calibration_path: Optional[str | Path] = None):
+    """The codebook geometry the methods' verifiers read (None if none does): the neighbour table, and for gasv
+    the calibration of this very target (lisa.calibrate; another checkpoint's is a CalibrationError)."""
+    from lisa.calibrate import load_calibration
+    from lisa.verify import Geometry
+
+    used = {m.method for m in methods}
+    if not used & {"lantern", "gsd", "gasv"}:
+        return None
+    geometry = Geometry.from_codebook(vq.codebook(), neighbours)
+    if "gasv" in used:
+        if calibration_path is None:
+            raise FileNotFoundError("gasv needs a calibration (`lisa calibrate`)")
+        geometry.calibration = load_calibration(calibration_path, target.output.weight, target_meta["sha256"])
+    return geometry
 
 
 def bench_spec(target_path: str | Path, tokenizer_path: str | Path, drafter_path: Optional[str | Path],
                world: WorldParams, sample_p: SampleParams, p: BenchSpecParams, out_dir: str | Path,
-               name: str = "world") -> dict:
-    """Speculative decoding benchmark of a world's target and drafter: every method of `p.methods` on the same
-    classes / prompts (`sample_p`) with the same seeds, in one run -> out_dir/<name>.{json,md,png}."""
-    from lisa.verify import VERIFIERS, Geometry
+               name: str = "world", lid_drafter_path: Optional[str | Path] = None,
+               calibration_path: Optional[str | Path] = None) -> dict:
+    """Speculative decoding benchmark of a world's target and drafters: every method of `p.methods` on the same
+    classes / prompts (`sample_p`) with the same seeds, in one run -> out_dir/<name>.{json,md,png}. Methods use
+    the release drafter (`drafter_path`) or the LID one (`lid_drafter_path`); gasv reads `calibration_path`."""
+    from lisa.verify import VERIFIERS
 
     if p.threads:
         torch.set_num_threads(p.threads)
@@ -358,14 +400,8 @@ def bench_spec(target_path: str | Path, tokenizer_path: str | Path, drafter_path
         raise ValueError(f"bench_spec.methods: unknown methods {unknown}; known: vanilla, {sorted(VERIFIERS)}")
     if len({m.name for m in p.methods}) != len(p.methods):
         raise ValueError(f"bench_spec.methods: names must be unique, got {[m.name for m in p.methods]}")
-    drafter = drafter_meta = None
-    if any(m.method in DRAFTER_VERIFIERS or m.tree == "auto" for m in p.methods):
-        if drafter_path is None or not Path(drafter_path).is_file():
-            raise FileNotFoundError(f"bench_spec: methods {[m.name for m in p.methods if m.method in DRAFTER_VERIFIERS]}"
-                                    f" need a drafter: {drafter_path} not found (`lisa train-drafter`)")
-        drafter, drafter_meta = load_drafter(drafter_path, target_meta)
-    geometry = (Geometry.from_codebook(vq.codebook(), p.neighbours)
-                if any(m.method in ("lantern", "gsd") for m in p.methods) else None)
+    drafters = method_drafters(p.methods, {"release": drafter_path, "lid": lid_drafter_path}, target_meta)
+    geometry = load_geometry(model, target_meta, vq, p.methods, p.neighbours, calibration_path)
     text_s = None
     if cfg.model_type == "c2i":
         names = data.class_names(world.dataset.name) if world.dataset else None
@@ -389,13 +425,15 @@ def bench_spec(target_path: str | Path, tokenizer_path: str | Path, drafter_path
         with torch.inference_mode():
             return vq.decode(tokens)
 
-    report = bench_speculative(model, drafter, conditions, p.methods, sampling, p.repeats, p.warmup, p.seed,
-                               geometry, p.auto, vq_decode)
+    report = bench_speculative(model, {k: d for k, (d, _) in drafters.items()}, conditions, p.methods, sampling,
+                               p.repeats, p.warmup, p.seed, geometry, p.auto, vq_decode)
     report |= {"world": name, "text_encode_ms_per_prompt": 1000 * text_s if text_s is not None else None,
                "sampling": {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
                             "cfg_scale": p.cfg_scale},
                "target_sha256": target_meta["sha256"], "tokenizer_sha256": vq_meta["sha256"],
-               "drafter_sha256": drafter_meta["sha256"] if drafter_meta else None}
+               "drafter_sha256": {k: meta["sha256"] for k, (_, meta) in drafters.items()},
+               "calibration_sha256": geometry.calibration.meta["sha256"]
+               if geometry is not None and geometry.calibration is not None else None}
     out = Path(out_dir)
     write_json(out / f"{name}.json", report)
     title = (f"Speculative decoding, {name}: {cfg.n_layer}-layer dim-{cfg.dim} target ({model.num_params() / 1e6:.1f}M), "
@@ -641,7 +679,7 @@ def train_drafter(codes_path: str | Path, target_path: str | Path, p: TrainDraft
     torch.manual_seed(p.seed)
     drafter = new_drafter(target)
     metrics = train(drafter, target, tokens, cond, d["test_tokens"][:512], d["test_cond"][:512], p, work_dir,
-                    curves=curves)
+                    curves=curves, target_id=target_meta["sha256"])
     if rank != 0:
         return {"rank": rank}
     meta = save_artifact(drafter.cpu(), Path(out_dir) / DRAFTER_FILE, "drafter", drafter.config, step=p.steps,
@@ -784,7 +822,8 @@ def ablate_lid(codes_path: str | Path, target_path: str | Path, tokenizer_path: 
         torch.manual_seed(tp.seed)
         drafter = new_drafter(target)
         m = train(drafter, target, d["train_tokens"], d["train_cond"], d["test_tokens"][:512], d["test_cond"][:512],
-                  tp, Path(work_dir) / name, cache=lc, lid=loss, curves=Path(report_dir) / name)
+                  tp, Path(work_dir) / name, cache=lc, lid=loss, curves=Path(report_dir) / name,
+                  target_id=target_meta["sha256"])
         save_artifact(drafter, Path(out_dir) / f"{name}.safetensors", "drafter", drafter.config, step=tp.steps,
                       seed=tp.seed, made_from={"target_sha256": target_meta["sha256"], "loss": name,
                                                "cache": str(cache_dir)}, extra={"metrics": m})
@@ -851,3 +890,210 @@ def bench_ddp(world: str, params_path: str | Path, steps: int, out: str | Path, 
     lines += [f"| {r['run']} | {r['steps_per_s']:.2f} | {r['vs_1_process_2_threads']:.2f}x |" for r in rows]
     atomic_write(out.with_suffix(".md"), lambda tmp: Path(tmp).write_text("\n".join(lines) + "\n"))
     return report
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# LISA at decode time: calibration, quality per method, the results table
+
+
+def calibrate(target_path: str | Path, tokenizer_path: str | Path, cache_dir: str | Path, p: CalibrateParams,
+              out_dir: str | Path, report: str | Path) -> dict:
+    """GASV's calibration of a target checkpoint from its output head, its codebook and its logit cache
+    -> out_dir/calibration.{safetensors,json} (the JSON records the target's sha256)."""
+    from lisa.calibrate import CalibrateConfig, calibrate as fit, save_calibration
+
+    model, target_meta = load_target(target_path)
+    vq, vq_meta = load_tokenizer(tokenizer_path)
+    lc = cache.open_cache(cache_dir, target_meta["sha256"])
+    cal = fit(model.output.weight, vq.codebook(), lc, CalibrateConfig(**asdict(p)),
+              {"target": str(target_path), "target_sha256": target_meta["sha256"], "tokenizer": str(tokenizer_path),
+               "tokenizer_sha256": vq_meta["sha256"], "cache": str(cache_dir)})
+    meta = save_calibration(cal, out_dir)
+    metrics = {k: meta[k] for k in ("positions", "clusters_used_by_top1", "clusters_with_own_budget", "beta_global",
+                                    "looseness_ref", "share_within_budget", "calibrate_s", "sha256")}
+    metrics |= {"beta_min": min(meta["beta"]), "beta_max": max(meta["beta"]), "target_sha256": target_meta["sha256"],
+                "calibrated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    write_json(report, metrics)
+    return metrics
+
+
+def needs_recalibration(target_path: str | Path, calibration_dir: str | Path) -> Optional[str]:
+    """Why the calibration in calibration_dir no longer fits the target checkpoint (None if it does): compares the
+    checkpoint's content hash with the one the calibration recorded (a touch changes nothing)."""
+    side = Path(calibration_dir) / "calibration.json"
+    if not side.is_file():
+        return f"no calibration at {side}"
+    made = json.loads(side.read_text()).get("made_from", {}).get("target_sha256")
+    now = file_sha256(target_path)
+    return None if made == now else f"{target_path} has sha256 {now[:12]}, the calibration was made for {str(made)[:12]}"
+
+
+def _eval_conditions(model, codes: dict, captions_all: list[str], n: int):
+    """The conditions of quality evaluation: c2i classes in turn; t2i held-out captions in turn -> (conds, labels,
+    captions)."""
+    if model.config.model_type == "c2i":
+        labels = torch.arange(n) % model.config.num_classes
+        return labels, labels, []
+    idx = codes["test_caption_idx"][torch.arange(n) % len(codes["test_caption_idx"])]
+    return (codes["caption_feats"][idx].float(), codes["test_labels"][torch.arange(n) % len(codes["test_labels"])],
+            [captions_all[i] for i in idx.tolist()])
+
+
+def eval_method(target_path: str | Path, tokenizer_path: str | Path, codes_path: str | Path,
+                reference_path: str | Path, judge_dir: str | Path, world: WorldParams, name: str, p: TableParams,
+                q: QualityParams, drafter_paths: dict, calibration_path: Optional[str | Path], out_dir: str | Path,
+                work_dir: str | Path) -> dict:
+    """One quality cell: `p.num_samples` samples decoded with method `name` (table.cells) on the conditions of
+    `evaluate`, batch i seeded (seed, i) for every method: FID / KID against the held-out reference, the judge's
+    score, tau, and the measured relaxation (TV between the law each token was drawn from and the target's,
+    per image position and on average) -> out_dir/<name>.{json,png}, out_dir/<name>-tv.csv."""
+    from lisa.generate import SpecConfig, decoder
+
+    m = p.cells[name].as_method(name)
+    model, target_meta = load_target(target_path)
+    vq, vq_meta = load_tokenizer(tokenizer_path)
+    judge, judge_meta = load_judge(Path(judge_dir) / JUDGE_FILE)
+    ref, _, ref_meta = quality.read_reference(reference_path)
+    if ref_meta.get("tokenizer_sha256") not in (None, vq_meta["sha256"]):
+        raise ValueError(f"{reference_path} was made with another tokenizer than {tokenizer_path}: "
+                         "rerun `lisa fid-reference`")
+    drafters = method_drafters([m], drafter_paths, target_meta)
+    geometry = load_geometry(model, target_meta, vq, [m], 64, calibration_path)
+    if geometry is not None and geometry.calibration is not None:
+        geometry.neighbours = geometry.calibration.neighbours
+    drafter = drafters[m.drafter][0] if m.drafter in drafters else None
+    spec = (SpecConfig(m.method, m.tree, m.depth, m.top_k_draft, m.total_tokens)
+            if m.method not in ("vanilla", "sjd", "gsd") else None)
+    decode = decoder(model, m.method, drafter, spec, m.window, geometry, dict(m.options), measure=m.method != "vanilla")
+    codes = read_state_dict(codes_path)
+    captions_all = json.loads(Path(codes_path).with_suffix(".json").read_text())["captions"]
+    conds, labels, captions = _eval_conditions(model, codes, captions_all, p.num_samples)
+    sampling = SamplingConfig(p.temperature, p.top_k, p.top_p, p.cfg_scale)
+    recipe = json.dumps([target_meta["sha256"], vq_meta["sha256"], asdict(m),
+                         {k: v for k, v in asdict(p).items() if k not in ("rows", "pareto", "cells")},
+                         {k: meta["sha256"] for k, (_, meta) in drafters.items()},
+                         geometry.calibration.meta["sha256"] if geometry and geometry.calibration else None],
+                        sort_keys=True)
+    work = Path(work_dir) / (name + "-" + hashlib.sha256(recipe.encode()).hexdigest()[:12])
+    stats_path = work / "decode.json"
+
+    def make_tokens():
+        toks, taus, tvs, t0 = [], [], [], time.perf_counter()
+        batches = list(conds.split(p.batch_size))
+        for i, batch in enumerate(tqdm(batches, desc=f"eval {name}", unit="batch")):
+            tok, st = decode(batch, sampling, torch.Generator().manual_seed(p.seed * 1_000_003 + i))
+            toks.append(tok)
+            lengths = [a for row in st.get("accept_lengths", []) for a in row if a > 0]
+            taus += lengths or [1] * tok.numel()
+            if "tv" in st:
+                tvs.append(st["tv"])
+        tv = torch.cat(tvs) if tvs else torch.zeros(len(conds), model.config.block_size)
+        write_json(stats_path, {"decode_s": time.perf_counter() - t0, "tau": sum(taus) / len(taus),
+                                "tv_per_position": tv.nanmean(0).tolist(), "tv_mean": float(tv[:, 1:].nanmean()),
+                                "threads": torch.get_num_threads()})
+        return torch.cat(toks)
+
+    tokens = quality.cached(work / "tokens.safetensors", "tokens", make_tokens)
+    dstats = json.loads(stats_path.read_text())
+    images = quality.decode_tokens(vq, tokens)
+    feats = quality.cached(work / "features.safetensors", "features", lambda: fid.features(images, q.inception_batch))
+    metrics = {"world_method": name, "method": asdict(m), "samples": len(tokens), "tau": dstats["tau"],
+               "tv_mean": dstats["tv_mean"], "decode_s": dstats["decode_s"]}
+    metrics |= fid.fid_kid(ref, feats, q.kid_subsets, min(q.kid_subset_size, len(tokens)), q.seed)
+    score_name = "class_consistency" if judge.config.kind == "classifier" else "clip_score"
+    metrics[score_name] = _judge_scores(judge, images, labels, captions)
+    metrics |= {"target_sha256": target_meta["sha256"], "judge_sha256": judge_meta["sha256"],
+                "drafter_sha256": {k: meta["sha256"] for k, (_, meta) in drafters.items()},
+                "calibration_sha256": geometry.calibration.meta["sha256"] if geometry and geometry.calibration else None}
+    out = Path(out_dir)
+    write_json(out / f"{name}.json", metrics)
+    tv_lines = ["position,tv"] + [f"{i},{v:.6f}" for i, v in enumerate(dstats["tv_per_position"])]
+    atomic_write(out / f"{name}-tv.csv", lambda tmp: Path(tmp).write_text("\n".join(tv_lines) + "\n"))
+    _save_quality_grid(images, labels, captions, model.config, world, vq, codes["test_codes"], out / f"{name}.png",
+                       rows=5)
+    return {k: v for k, v in metrics.items() if k != "method"}
+
+
+def results_table(worlds: list[str], p: TableParams, bench_dir: str | Path, cells_dir, out_md: str | Path,
+                  out_plot: str | Path) -> dict:
+    """reports/table.md in the layout of the paper's main table (world x method: speedup, tau, FID, CLIP score or
+    class consistency, plus KID and the measured TV relaxation) and the tau-FID Pareto plot of the `pareto`
+    cells. Speedup and tau come from the world's bench-spec run (same run for every method); the quality columns
+    from each eval-method cell. cells_dir: world -> folder of the cells."""
+    rows_out, lines = {}, ["# LISA against the baselines", "",
+                           f"Speedup and tau: `lisa bench --world W` (every method in one run, batch 1, wall clock on "
+                           f"this machine). Quality: {p.num_samples} samples per cell (`lisa eval-method`), FID / KID "
+                           "against the held-out images; CLIP score (t2i) or class consistency (c2i) from the world's "
+                           "judge. TV: mean total variation between the distribution each token was drawn from and "
+                           "the target's (0 for lossless methods). tau (quality run): acceptance length measured in "
+                           "the batched quality run itself.", ""]
+    for w in worlds:
+        bench = json.loads((Path(bench_dir) / f"{w}.json").read_text())
+        bm = {m["name"]: m for m in bench["methods"]}
+        cells = {n: json.loads((Path(cells_dir(w)) / f"{n}.json").read_text()) for n in dict.fromkeys(p.rows + p.pareto)}
+        score = "clip_score" if "clip_score" in next(iter(cells.values())) else "class_consistency"
+        van = cells.get("vanilla")
+        lines += [f"## {w}", "", f"| method | settings | speedup | tau | FID | FID vs vanilla | KID | "
+                  f"{'CLIP score' if score == 'clip_score' else 'class consistency'} | TV | tau (quality run) |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        rows_out[w] = {}
+        for n in p.rows:
+            b, c = bm[p.cells[n].bench or n], cells[n]
+            rel = c["fid"] / van["fid"] - 1 if van else float("nan")
+            lines.append(f"| {n} | {_describe_cell(p.cells[n])} | {b.get('speedup', float('nan')):.2f}x | "
+                         f"{b['tau']:.2f} | {c['fid']:.2f} | {100 * rel:+.1f}% | {c['kid']:.4f} | {c[score]:.2f} | "
+                         f"{c['tv_mean']:.3f} | {c['tau']:.2f} |")
+            rows_out[w][n] = {"speedup": b.get("speedup"), "tau": b["tau"], "fid": c["fid"], "fid_vs_vanilla": rel,
+                              "kid": c["kid"], score: c[score], "tv": c["tv_mean"], "tau_quality_run": c["tau"],
+                              "bench_method": b["name"]}
+        for n in [x for x in p.pareto if x not in p.rows]:
+            c = cells[n]
+            rows_out[w][n] = {"fid": c["fid"], "fid_vs_vanilla": c["fid"] / van["fid"] - 1 if van else None,
+                              "kid": c["kid"], score: c[score], "tv": c["tv_mean"], "tau_quality_run": c["tau"]}
+        lines.append("")
+    _pareto_plot(worlds, p, cells_dir, out_plot)
+    lines += [f"Pareto plot (tau against FID over the cells {', '.join(p.pareto)}): `{Path(out_plot).name}`.", ""]
+    atomic_write(out_md, lambda tmp: Path(tmp).write_text("\n".join(lines)))
+    write_json(Path(out_md).with_suffix(".json"), rows_out)
+    return rows_out
+
+
+def _describe_cell(c) -> str:
+    o = c.options
+    if c.method == "vanilla":
+        return "-"
+    if c.method in ("sjd", "gsd"):
+        return f"window {c.window}"
+    tree = f"{c.tree} d{c.depth} top-{c.top_k_draft} {c.total_tokens} nodes"
+    if c.method == "lantern":
+        tree += f", k {o.get('k', 5):g}, delta {o.get('delta', 0.1):g}"
+    if c.method == "gasv":
+        tree += f", kappa {o.get('kappa', 1.0):g}, lambda {o.get('lambda', 0.5):g}, k {o.get('k', 8):g}"
+    return tree + (", LID drafter" if c.drafter == "lid" else "")
+
+
+def _pareto_plot(worlds: list[str], p: TableParams, cells_dir, path: str | Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(worlds), figsize=(6 * len(worlds), 4.5), squeeze=False)
+    for ax, w in zip(axes[0], worlds):
+        names = list(dict.fromkeys(p.rows + p.pareto))
+        cells = {n: json.loads((Path(cells_dir(w)) / f"{n}.json").read_text()) for n in names}
+        sweep = [n for n in p.pareto]
+        ax.plot([cells[n]["fid"] for n in sweep], [cells[n]["tau"] for n in sweep], "o-", color="tab:red",
+                label="GASV sweep (kappa, lambda)")
+        for n in names:
+            c = cells[n]
+            ax.scatter(c["fid"], c["tau"], s=30, color="tab:red" if n in sweep else "tab:blue", zorder=3)
+            ax.annotate(n, (c["fid"], c["tau"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        if "vanilla" in cells:
+            ax.axvline(cells["vanilla"]["fid"] * 1.05, color="grey", ls="--", lw=1, label="vanilla FID + 5%")
+        ax.set_xlabel("FID (lower is better)")
+        ax.set_ylabel("tau: tokens per target forward")
+        ax.set_title(w)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
+    plt.close(fig)

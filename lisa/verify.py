@@ -23,6 +23,7 @@ correction after a rejection, or the bonus token after a leaf. Acceptance length
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -40,6 +41,7 @@ class VerifyContext:
     sampled_siblings: bool = False  # True: siblings drawn i.i.d. from q (SpecInfer); False: top-k (deterministic)
     geometry: Any = None  # codebook / neighbour table / calibration, for relaxed verifiers
     options: Optional[dict] = None  # verifier knobs (lantern k and delta, gasv kappa and lambda, ...)
+    measure: bool = False  # also compute the law of each emitted token and its TV distance to p (Verdict.tv)
 
 
 @dataclass
@@ -47,6 +49,7 @@ class Verdict:
     path: Tensor  # (B, D) accepted node indices, root side first, padded -1
     n_accepted: Tensor  # (B,) accepted draft tokens
     next_token: Tensor  # (B,) the token emitted after them (correction or bonus)
+    tv: Optional[Tensor] = None  # (B, D + 1) TV(law of the token emitted at each visited node, p there); NaN beyond
 
 
 def children_table(tree: Tree) -> Tensor:
@@ -64,13 +67,24 @@ def children_table(tree: Tree) -> Tensor:
     return out
 
 
-AcceptFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, "VerifyContext"], tuple[Tensor, Tensor]]
+AcceptFn = Callable[[Tensor, Tensor, Tensor, Tensor, "VerifyContext"], tuple[Tensor, Tensor]]
+EmitFn = Callable[[Tensor, Tensor, "VerifyContext"], Tensor]
+MarginalFn = Callable[[Tensor, Tensor, Tensor, "VerifyContext"], tuple[Tensor, Tensor]]
 
 
-def walk(ctx: VerifyContext, generator: torch.Generator, accept_fn: AcceptFn,
-         emit_fn: Optional[Callable[[Tensor, torch.Generator], Tensor]] = None) -> Verdict:
-    """The shared tree walk, vectorised over the batch. accept_fn(r, tok, q_parent, u, row, ctx) -> (accept (B,)
-    bool, the residual after a rejection (B, V)); emit_fn(r, generator) -> (B,) tokens (default: sample r)."""
+def walk(ctx: VerifyContext, generator: torch.Generator, accept_fn: AcceptFn, emit_fn: Optional[EmitFn] = None,
+         marginal_fn: Optional[MarginalFn] = None) -> Verdict:
+    """The shared tree walk, vectorised over the batch.
+
+    accept_fn(r, tok, q_parent, row, ctx) -> (acceptance probability of child tok (B,), the residual after its
+    rejection (B, V)); a child is accepted when a fresh uniform u < that probability. emit_fn(r, row, ctx) -> the
+    distribution (B, V) the correction / bonus token is drawn from when no child is accepted (default: r
+    normalised). With ctx.measure, the walk also computes, at every node it stands on, the law of the token
+    emitted next (over the verifier's randomness, drafts fixed): sum_j [prod_{i<j} (1 - a_i)] a_j delta(x_j)
+    + prod_j (1 - a_j) emit(r_final), and its total-variation distance to the target's p at that node
+    (Verdict.tv). Siblings drawn from q (Jacobi chains: one child per node) need `marginal_fn(r, q, row, ctx) ->
+    (acceptance probability of every token (B, V), the residual after a rejection (B, V))` to take the law over
+    the draft too: q * a + (1 - sum q * a) * emit(residual); without it the TV is NaN there."""
     p, tree = ctx.p, ctx.tree
     B = p.shape[0]
     kids = children_table(tree)
@@ -82,29 +96,55 @@ def walk(ctx: VerifyContext, generator: torch.Generator, accept_fn: AcceptFn,
     path = torch.full((B, max(depth, 1)), -1, dtype=torch.long, device=dev)
     n_acc = torch.zeros(B, dtype=torch.long, device=dev)
     done = torch.zeros(B, dtype=torch.bool, device=dev)
+    emit = emit_fn or (lambda r, row, ctx: _normalise(r))
+    tv = torch.full((B, depth + 1), float("nan"), device=dev) if ctx.measure else None
     for level in range(depth + 1):
         moved = torch.zeros(B, dtype=torch.bool, device=dev)
+        law = torch.zeros_like(r) if ctx.measure else None
+        stay = torch.ones(B, device=dev)
+        r_node = r
         for s in range(kids.shape[-1]):
             child = kids[ar, row, s]  # (B,)
-            active = (child >= 0) & ~moved & ~done
-            if not active.any():
+            exists = (child >= 0) & ~done
+            if not exists.any():
                 continue
+            active = exists & ~moved
             tok = tree.tokens[ar, child.clamp(min=0)]
             q_parent = tree.q[ar, row] if tree.q is not None else None
             u = torch.rand(B, generator=generator, device=dev)
-            acc, r_rejected = accept_fn(r, tok, q_parent, u, row, ctx)
-            acc = acc & active
-            r = torch.where((active & ~acc)[:, None], r_rejected, r)
+            prob, r_rejected = accept_fn(r, tok, q_parent, row, ctx)
+            acc = (u < prob) & active
+            if law is not None:  # the hypothetical chain: every child tried after all earlier ones were rejected
+                w = torch.where(exists, stay * prob, 0.0)
+                law.scatter_add_(1, tok[:, None], w[:, None])
+                stay = torch.where(exists, stay * (1 - prob), stay)
+            r = torch.where(exists[:, None], r_rejected, r)  # rows that accepted leave r behind: unused
             path[acc, level] = child[acc]  # a child of a node at depth `level` has depth level + 1 <= depth
             moved |= acc
+        if law is not None:
+            here = ~done
+            target = p[ar, row]
+            if ctx.sampled_siblings:
+                has_kid = kids[ar, row, 0] >= 0
+                if kids.shape[-1] == 1 and marginal_fn is not None and tree.q is not None:
+                    a_all, res = marginal_fn(r_node, tree.q[ar, row], row, ctx)
+                    qa = tree.q[ar, row] * a_all
+                    law_q = qa + (1 - qa.sum(-1, keepdim=True)).clamp(min=0) * emit(res, row, ctx)
+                    law = torch.where(has_kid[:, None], law_q, emit(r_node, row, ctx))
+                else:
+                    law = torch.where(has_kid[:, None], float("nan"), emit(r_node, row, ctx))
+            else:
+                law = law + stay[:, None] * emit(r, row, ctx)
+            tv[:, level] = torch.where(here, 0.5 * (law - target).abs().sum(-1), tv[:, level])
         n_acc += moved.long()
         done |= ~moved
         if done.all():
             break
         row = torch.where(moved, path[:, level] + 1, row)
         r = torch.where(moved[:, None], p[ar, row], r)
-    emit = emit_fn or sample_residual
-    return Verdict(path, n_acc, emit(r, generator))
+    if tv is not None:  # only the nodes the walk stood on: levels 0 .. n_accepted
+        tv = torch.where(torch.arange(depth + 1, device=dev)[None] <= n_acc[:, None], tv, float("nan"))
+    return Verdict(path, n_acc, sample_residual(emit(r, row, ctx), generator), tv)
 
 
 def sample_residual(r: Tensor, generator: torch.Generator) -> Tensor:
@@ -142,10 +182,13 @@ def get_verifier(name: str):
 def greedy(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
     """Accept the child equal to the target's argmax; emit the argmax (ties: lowest id, like torch.argmax)."""
 
-    def accept(r, tok, q_parent, u, row, ctx):
-        return tok == r.argmax(-1), r  # r never changes: a rejected child is simply not the argmax
+    def accept(r, tok, q_parent, row, ctx):
+        return (tok == r.argmax(-1)).float(), r  # r never changes: a rejected child is simply not the argmax
 
-    return walk(ctx, generator, accept, emit_fn=lambda r, g: r.argmax(-1))
+    def argmax(r, row, ctx):
+        return torch.nn.functional.one_hot(r.argmax(-1), r.shape[-1]).to(r.dtype)
+
+    return walk(ctx, generator, accept, emit_fn=argmax)
 
 
 @register("exact")
@@ -154,16 +197,23 @@ def exact(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
     if ctx.sampled_siblings and ctx.tree.q is None:
         raise ValueError("exact verification of sampled siblings needs the drafter's q (tree.q)")
 
-    def accept(r, tok, q_parent, u, row, ctx):
+    def accept(r, tok, q_parent, row, ctx):
         r = _normalise(r)
         r_tok = r.gather(1, tok[:, None]).squeeze(1)
         if ctx.sampled_siblings:
-            q_tok = q_parent.gather(1, tok[:, None]).squeeze(1)
-            acc = u * q_tok < r_tok  # u < min(1, r / q)
-            return acc, _normalise((r - q_parent).clamp(min=0))
-        return u < r_tok, _normalise(r.scatter(1, tok[:, None], 0.0))
+            return ratio(r_tok, q_parent.gather(1, tok[:, None]).squeeze(1)), _normalise((r - q_parent).clamp(min=0))
+        return r_tok, _normalise(r.scatter(1, tok[:, None], 0.0))
 
-    return walk(ctx, generator, accept)
+    def marginal(r, q, row, ctx):  # recursive rejection sampling on one drawn child: the law is r exactly
+        r = _normalise(r)
+        return ratio(r, q), _normalise((r - q).clamp(min=0))
+
+    return walk(ctx, generator, accept, marginal_fn=marginal)
+
+
+def ratio(a: Tensor, b: Tensor) -> Tensor:
+    """min(1, a / b), and 1 where b = 0 < a (rejection sampling's acceptance probability)."""
+    return torch.where(b > 0, a / b.clamp(min=1e-30), (a > 0).to(a.dtype)).clamp(max=1.0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -176,6 +226,7 @@ class Geometry:
     nearest first (LANTERN's table; cosine order = L2 order on the sphere), and the codebook itself (V, d)."""
     neighbours: Tensor
     codebook: Optional[Tensor] = None
+    calibration: Any = None  # lisa.calibrate.Calibration with the target's whitened head rows (gasv)
 
     @classmethod
     def from_codebook(cls, codebook: Tensor, k: int) -> "Geometry":
@@ -229,13 +280,10 @@ def lantern(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
     if table.shape[1] < k:
         raise ValueError(f"lantern k={k} but the neighbour table holds {table.shape[1]} neighbours per code")
 
-    def accept(r, tok, q_parent, u, row, ctx):
+    def accept(r, tok, q_parent, row, ctx):
         r = _normalise(r)
         boosted, absorbed = lantern_boost(r, tok, table, k, delta)
-        if ctx.sampled_siblings:
-            acc = u * q_parent.gather(1, tok[:, None]).squeeze(1) < boosted
-        else:
-            acc = u < boosted
+        acc = ratio(boosted, q_parent.gather(1, tok[:, None]).squeeze(1)) if ctx.sampled_siblings else boosted.clamp(max=1)
         drop = torch.zeros_like(r, dtype=torch.bool).scatter(1, tok[:, None], True)
         drop.scatter_(1, table[tok, :k], absorbed)
         return acc, _normalise(r.masked_fill(drop, 0.0))
@@ -254,7 +302,7 @@ def sjd(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
     resamples from norm(max(0, p_t - p_{t-1})) (the recursive rejection rule on a chain)."""
     if ctx.tree.q is None:
         raise ValueError("sjd needs the distributions the drafts were sampled from (tree.q)")
-    return exact(VerifyContext(ctx.p, ctx.tree, ctx.logits, True, ctx.geometry, ctx.options), generator)
+    return exact(VerifyContext(ctx.p, ctx.tree, ctx.logits, True, ctx.geometry, ctx.options, ctx.measure), generator)
 
 
 def gsd_groups(r: Tensor, tok: Tensor, embeddings: Tensor, rank_window: int, prob_gap: float,
@@ -277,6 +325,24 @@ def gsd_groups(r: Tensor, tok: Tensor, embeddings: Tensor, rank_window: int, pro
     return group.scatter(1, tok[:, None], True)
 
 
+def gsd_group_masses(r: Tensor, q: Tensor, embeddings: Tensor, rank_window: int, prob_gap: float,
+                     dist: float) -> tuple[Tensor, Tensor]:
+    """(B, V) each: r(G(x)) and q(G(x)) for every token x at once (gsd_groups, vectorised over x)."""
+    B, V = r.shape
+    order = r.argsort(-1, descending=True)
+    rank = order.argsort(-1)  # (B, V)
+    offs = torch.arange(-rank_window, rank_window + 1, device=r.device)
+    at = rank[..., None] + offs  # (B, V, W)
+    inside = (at >= 0) & (at < V)
+    cand = order.gather(1, at.clamp(0, V - 1).reshape(B, -1)).reshape(B, V, -1)  # (B, V, W)
+    r_c = r.gather(1, cand.reshape(B, -1)).reshape(cand.shape)
+    e = embeddings.float()
+    close = ((r_c - r[..., None]).abs() < prob_gap) & (((e[cand] - e[None, :, None, :]) ** 2).sum(-1) < dist)
+    member = inside & (close | (offs == 0))
+    q_c = q.gather(1, cand.reshape(B, -1)).reshape(cand.shape)
+    return (r_c * member).sum(-1), (q_c * member).sum(-1)
+
+
 @register("gsd")
 def gsd(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
     """Grouped speculative decoding on Jacobi drafts: accept x if u < min(1, p(G(x)) / q(G(x))); on rejection
@@ -288,10 +354,107 @@ def gsd(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
     w, gap, dist = int(opts.get("rank_window", 7)), float(opts.get("prob_gap", 0.15)), float(opts.get("dist", 0.5))
     emb = ctx.geometry.codebook
 
-    def accept(r, tok, q_parent, u, row, ctx):
+    def accept(r, tok, q_parent, row, ctx):
         r = _normalise(r)
         g = gsd_groups(r, tok, emb, w, gap, dist)
-        p_g, q_g = (r * g).sum(-1), (q_parent * g).sum(-1)
-        return u * q_g < p_g, _normalise((r - q_parent).clamp(min=0))
+        return ratio((r * g).sum(-1), (q_parent * g).sum(-1)), _normalise((r - q_parent).clamp(min=0))
 
-    return walk(ctx, generator, accept)
+    def marginal(r, q, row, ctx):  # every token's acceptance probability, its own group each
+        r = _normalise(r)
+        p_g, q_g = gsd_group_masses(r, q, emb, w, gap, dist)
+        return ratio(p_g, q_g), _normalise((r - q).clamp(min=0))
+
+    return walk(ctx, generator, accept, marginal_fn=marginal)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GASV: geometry-aware soft verification (LISA, inference side). The choices the paper leaves open:
+#
+#   U = H(softmax(l)) / log V, m = sigmoid(l_(1) - l_(2)) on the raw guided logits l of the node; the looseness
+#   s = U * 2 (1 - m) in [0, 1] is high where the target is uncertain (flat, small margin).
+#   f_kappa(kappa; U, m) = kappa * exp(a_kappa * (s - s_ref)),  f_lambda(lambda; U, m) = lambda * exp(-a_lambda *
+#   (s - s_ref)), s_ref = the median looseness of the calibration pass: at typical uncertainty the knobs act as set,
+#   looser (kappa up, lambda down) where the target is unsure, tighter where it is confident; a = 0 turns it off.
+#   Drift: s_geo(v) = (l_i - l_v) / (||(w_i - w_v) * invstd|| + eps), i the top-1, w the output-head rows.
+#   g_geo(v) = min(1, kappa_eff * beta_{c_i} / s_geo(v)) (1 at s_geo = 0: the top-1 and ties).
+#   g_clu(v) = min(1, P(c_v) / lambda_eff), P(c) = the target's probability of cluster c (exp pi_c).
+#   g = max(g_geo, g_clu).
+#   The soft target of a draft v: p_soft = p with the share g(v) of the residual mass of v's k nearest codes (the
+#   calibration's neighbour table) moved onto v, i.e. p_soft(v) = r(v) + g(v) * sum_{u in N_k(v)} r(u) and
+#   p_soft(u) = (1 - g(v)) r(u) on the neighbours. Acceptance uses p_soft(v) (deterministic siblings; sampled:
+#   min(1, p_soft(v) / q(v))); on rejection the residual is p_soft without v, renormalised, so the correction
+#   and bonus tokens are drawn from it. Mass only ever moves between codebook neighbours, by the share g: the
+#   sampled law is p with that transport applied, its TV to p is at most g(v) * r(N_k(v)) per tried child, and
+#   kappa up -> larger g -> longer acceptance, lambda up -> smaller g -> stricter; g = 0 is `exact`.
+# Options: kappa (1.0), lambda (0.5), a_kappa (1.0), a_lambda (1.0), k (8), eps (1e-6).
+
+
+def gasv_scores(logits: Tensor, p: Tensor, cal, kappa: float, lam: float, a_kappa: float, a_lambda: float,
+                eps: float) -> Tensor:
+    """g(v) in [0, 1] for every token at every node: logits, p (B, S, V) -> (B, S, V)."""
+    B, S, V = logits.shape
+    l = logits.float().reshape(B * S, V)
+    lp = l.log_softmax(-1)
+    U = -(lp.exp() * lp).sum(-1) / math.log(V)
+    top2 = l.topk(2, dim=-1).values
+    loose = U * 2 * (1 - torch.sigmoid(top2[:, 0] - top2[:, 1]))
+    k_eff = kappa * torch.exp(a_kappa * (loose - cal.looseness_ref))
+    l_eff = lam * torch.exp(-a_lambda * (loose - cal.looseness_ref))
+    i = l.argmax(-1)
+    W = cal.head.to(l.device)  # (V, D) whitened
+    wi = W[i]
+    d2 = (wi * wi).sum(-1, keepdim=True) + cal.head_sq.to(l.device)[None] - 2 * wi @ W.T
+    drift = (l.gather(1, i[:, None]) - l) / (d2.clamp(min=0).sqrt() + eps)  # (BS, V) >= 0
+    cluster = cal.cluster.to(l.device)
+    budget = k_eff * cal.beta.to(l.device)[cluster[i]]
+    g_geo = torch.where(drift > 0, budget[:, None] / drift.clamp(min=1e-30), torch.ones_like(drift)).clamp(max=1)
+    mass = torch.zeros(B * S, int(cal.beta.shape[0]), device=l.device).scatter_add_(
+        1, cluster[None].expand(B * S, V), p.float().reshape(B * S, V))
+    g_clu = (mass.gather(1, cluster[None].expand(B * S, V)) / l_eff[:, None]).clamp(max=1)
+    return torch.maximum(g_geo, g_clu).reshape(B, S, V)
+
+
+@register("gasv")
+def gasv(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
+    """LISA's geometry-aware soft verification (see the block above): needs the raw guided logits and a
+    calibration (geometry.calibration, `lisa calibrate`). Options: kappa, lambda, a_kappa, a_lambda, k, eps."""
+    cal = getattr(ctx.geometry, "calibration", None)
+    if cal is None or ctx.logits is None:
+        raise ValueError("gasv needs the target's raw guided logits and a calibration (VerifyContext.geometry = "
+                         "Geometry(..., calibration=lisa.calibrate.load_calibration(...)))")
+    if cal.head.shape[0] != ctx.p.shape[-1]:
+        raise ValueError(f"gasv: calibration covers {cal.head.shape[0]} tokens, the target's vocabulary has "
+                         f"{ctx.p.shape[-1]}")
+    opts = dict(ctx.options or {})
+    unknown = set(opts) - {"kappa", "lambda", "a_kappa", "a_lambda", "k", "eps"}
+    if unknown:
+        raise ValueError(f"gasv: unknown options {sorted(unknown)}; known: kappa, lambda, a_kappa, a_lambda, k, eps")
+    k = int(opts.get("k", 8))
+    if not 0 <= k <= cal.neighbours.shape[1]:
+        raise ValueError(f"gasv k={k} but the calibration's neighbour table holds {cal.neighbours.shape[1]}")
+    g_all = gasv_scores(ctx.logits, ctx.p, cal, float(opts.get("kappa", 1.0)), float(opts.get("lambda", 0.5)),
+                        float(opts.get("a_kappa", 1.0)), float(opts.get("a_lambda", 1.0)),
+                        float(opts.get("eps", 1e-6)))
+    table = cal.neighbours[:, :k].to(ctx.p.device)
+    ar = torch.arange(ctx.p.shape[0], device=ctx.p.device)
+
+    def soft(r, tok, row):  # p_soft for draft tok: (its soft mass (B,), the soft residual with tok removed (B, V))
+        g = g_all[ar, row].gather(1, tok[:, None])  # (B, 1)
+        nn = table[tok]  # (B, k)
+        moved = r.gather(1, nn) * g  # (B, k)
+        rest = r.scatter(1, nn, r.gather(1, nn) - moved).scatter(1, tok[:, None], 0.0)
+        return r.gather(1, tok[:, None]).squeeze(1) + moved.sum(-1), rest
+
+    def accept(r, tok, q_parent, row, ctx):
+        r = _normalise(r)
+        p_tok, rest = soft(r, tok, row)
+        if ctx.sampled_siblings:
+            return ratio(p_tok, q_parent.gather(1, tok[:, None]).squeeze(1)), _normalise((r - q_parent).clamp(min=0))
+        return p_tok.clamp(max=1), _normalise(rest)
+
+    def marginal(r, q, row, ctx):  # sampled siblings: every token's soft mass at once
+        r = _normalise(r)
+        p_soft = r + g_all[ar, row] * r[:, table].sum(-1) if k else r  # r[:, table]: (B, V, k)
+        return ratio(p_soft, q), _normalise((r - q).clamp(min=0))
+
+    return walk(ctx, generator, accept, marginal_fn=marginal)

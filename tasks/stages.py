@@ -159,4 +159,37 @@ def bench_spec(params_path: str, world: str, root: str = ".") -> dict:
     where = stages.layout(world, root)
     return stages.bench_spec(where["target"] / stages.TARGET_FILE, where["tokenizer"] / stages.TOKENIZER_FILE,
                              where["drafter"] / stages.DRAFTER_FILE, p.world(world), p.sample, p.bench_spec,
-                             where["bench"], world)
+                             where["bench"], world, where["lid_drafter"], where["calibration"] / stages.CALIBRATION_FILE)
+
+
+@task(name="calibrate")
+def calibrate(params_path: str, world: str, root: str = ".") -> dict:
+    p = load_params(params_path)
+    where = stages.layout(world, root)
+    return stages.calibrate(where["target"] / stages.TARGET_FILE, where["tokenizer"] / stages.TOKENIZER_FILE,
+                            where["cache"], p.calibrate, where["calibration"], where["calibration_report"])
+
+
+@task(name="needs-recalibration")
+def needs_recalibration(world: str, root: str = ".") -> str | None:
+    where = stages.layout(world, root)
+    return stages.needs_recalibration(where["target"] / stages.TARGET_FILE, where["calibration"])
+
+
+@task(name="eval-method")
+def eval_method(params_path: str, world: str, method: str, root: str = ".") -> dict:
+    p = load_params(params_path)
+    where = stages.layout(world, root)
+    return stages.eval_method(where["target"] / stages.TARGET_FILE, where["tokenizer"] / stages.TOKENIZER_FILE,
+                              where["codes"] / stages.CODES_FILE, where["quality"] / stages.REFERENCE_FILE,
+                              where["judge"], p.world(world), method, p.table, p.quality,
+                              {"release": where["drafter"] / stages.DRAFTER_FILE, "lid": where["lid_drafter"]},
+                              where["calibration"] / stages.CALIBRATION_FILE, where["cells"], where["cells_work"])
+
+
+@task(name="table")
+def table(params_path: str, root: str = ".") -> dict:
+    p = load_params(params_path)
+    return stages.results_table(list(p.worlds), p.table, stages.layout("-", root)["bench"],
+                                lambda w: stages.layout(w, root)["cells"], Path(root) / "reports" / "table.md",
+                                Path(root) / "reports" / "pareto.png")

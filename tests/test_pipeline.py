@@ -15,10 +15,10 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 STAGES = ["build-dataset", "train-tokenizer", "encode", "train-target", "init-tokenizer", "init-target", "sample",
           "premise", "fid-reference", "train-judge", "evaluate", "train-drafter", "cache-logits", "ablate-lid",
-          "laion-fixture", "build-corpus", "bench"]
+          "laion-fixture", "build-corpus", "calibrate", "eval-method", "table", "bench"]
 DAG = ["build-dataset", "train-tokenizer", "encode", "train-target", "sample", "premise", "fid-reference",
        "train-judge", "evaluate", "train-drafter", "cache-logits", "ablate-lid", "bench-spec",
-       "laion-fixture", "build-laion-coco", "build-self-generated", "bench"]
+       "laion-fixture", "build-laion-coco", "build-self-generated", "calibrate", "eval-method", "table", "bench"]
 
 
 def micro_repo(tmp_path: Path) -> Path:
@@ -79,7 +79,14 @@ def test_dvc_repro_micro(tmp_path):
         spec = json.loads((repo / f"reports/bench/{world}.json").read_text())
         assert drafter["made_from"]["target_sha256"] == target_sha == spec["target_sha256"]
         assert [m["name"] for m in spec["methods"]] == ["vanilla", "exact-tree", "exact-chain", "exact-auto",
-                                                         "lantern", "sjd", "gsd"]
+                                                         "lantern", "sjd", "gsd", "lisa"]
+        cal = json.loads((repo / f"data/calibration/{world}/calibration.json").read_text())
+        assert cal["made_from"]["target_sha256"] == target_sha and spec["calibration_sha256"] == cal["sha256"]
+        for cell in ("vanilla", "exact-tree", "lantern", "lisa", "gasv-k0"):
+            c = json.loads((repo / f"reports/quality/{world}/methods/{cell}.json").read_text())
+            assert c["samples"] == 8 and c["fid"] > 0 and c["tau"] >= 1.0
+            assert (c["tv_mean"] < 1e-5) == (cell in ("vanilla", "exact-tree"))
+            assert len((repo / f"reports/quality/{world}/methods/{cell}-tv.csv").read_text().splitlines()) == 1 + 16
         assert all(m["tau"] >= 1.0 and m["speedup"] > 0 for m in spec["methods"])
         assert (repo / f"reports/bench/{world}.png").stat().st_size > 0
         c = json.loads((repo / f"reports/cache/{world}.json").read_text())
@@ -95,6 +102,9 @@ def test_dvc_repro_micro(tmp_path):
     laion = json.loads((repo / "reports/corpora/laion-coco.json").read_text())
     assert laion["counts"]["metadata_rows"] == 40 and 0 < laion["sequences"] < 40
     assert "heldout_topk_mass_s0" in run([str(BIN / "dvc"), "plots", "show", "--json"], repo)
+    table = (repo / "reports/table.md").read_text()
+    assert "## fashion-c2i" in table and "## emoji-t2i" in table and "| lisa |" in table
+    assert (repo / "reports/pareto.png").stat().st_size > 0
     bench = json.loads((repo / "reports/bench/vanilla.json").read_text())
     assert [r["cfg_scale"] for r in bench["rows"]] == [1.0, 2.0] and all(r["tokens_per_s"] > 0 for r in bench["rows"])
     assert "didn't change" in run([str(BIN / "dvc"), "repro"], repo)  # nothing reruns
@@ -126,6 +136,45 @@ def test_prefect_flow_micro(tmp_path):
     assert metrics["emoji-t2i"]["cache"]["sequences"] == 48 and (repo / "data/cache/emoji-t2i/manifest.json").is_file()
     assert metrics["fashion-c2i"]["self_generated"]["sequences"] == 8 and metrics["laion_coco"]["sequences"] > 0
     assert (repo / "reports/drafter/emoji-t2i/heldout.csv").is_file()
+    assert "| lisa |" in (repo / "reports/table.md").read_text() and "lisa" in metrics["table"]["fashion-c2i"]
+    assert metrics["fashion-c2i"]["cells"]["lisa"]["tv_mean"] > 0 == metrics["fashion-c2i"]["cells"]["vanilla"]["tv_mean"]
+
+
+@pytest.mark.slow
+def test_recalibration_runs_only_when_the_checkpoint_content_changes(tmp_path):
+    """The scheduled flow `recalibrate`: nothing on an unchanged or merely touched checkpoint; a checkpoint with
+    other bytes gets its cache, drafters, calibration, benchmark, quality cells and the table rebuilt."""
+    import torch
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.lisa_full import lisa_full
+    from flows.recalibrate import recalibrate
+    from lisa.checkpoint import file_sha256, save_artifact
+    from lisa.load import load_target
+
+    repo = micro_repo(tmp_path)
+    with prefect_test_harness(server_startup_timeout=180):
+        lisa_full(params_path="params.yaml", root=str(repo))
+        up = {"fashion-c2i": "up to date", "emoji-t2i": "up to date"}
+        assert recalibrate(params_path="params.yaml", root=str(repo)) == up
+        target = repo / "data/target/fashion-c2i/model.safetensors"
+        cal_json = repo / "data/calibration/fashion-c2i/calibration.json"
+        before = cal_json.read_text()
+        os.utime(target, None)  # a touch: same bytes
+        assert recalibrate(params_path="params.yaml", root=str(repo)) == up and cal_json.read_text() == before
+        model, meta = load_target(target)  # new content: the same model, its head scaled
+        with torch.no_grad():
+            model.output.weight.mul_(1.5)
+        save_artifact(model, target, "gpt", model.config, step=meta["step"], seed=meta["seed"],
+                      made_from=meta["made_from"])
+        status = recalibrate(params_path="params.yaml", root=str(repo))
+    new_sha = file_sha256(target)
+    assert status["emoji-t2i"] == "up to date" and "calibration was made for" in status["fashion-c2i"]
+    assert json.loads(cal_json.read_text())["made_from"]["target_sha256"] == new_sha
+    for path in ("data/drafter/fashion-c2i/drafter.json", "data/ablation/fashion-c2i/lid.json"):
+        assert json.loads((repo / path).read_text())["made_from"]["target_sha256"] == new_sha
+    assert json.loads((repo / "reports/quality/fashion-c2i/methods/lisa.json").read_text())["target_sha256"] == new_sha
+    assert json.loads((repo / "reports/bench/fashion-c2i.json").read_text())["target_sha256"] == new_sha
 
 
 def test_stages_import_an_official_checkpoint(tmp_path):
