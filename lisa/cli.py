@@ -240,6 +240,24 @@ def cmd_table(a):
                          Path(out) / "table.md", Path(out) / "pareto.png")
 
 
+def cmd_bench_gpu(a):
+    from pathlib import Path
+
+    from lisa.checkpoint import atomic_write, write_json
+    from lisa.gpubench import GPUBenchConfig, gpu_bench, gpu_markdown
+
+    cfg = GPUBenchConfig(preset=a.preset, image_tokens=a.tokens, vocab_size=a.vocab, batch_size=a.batch,
+                         dtype=a.dtype, compile=a.compile, repeats=a.repeats)
+    r = gpu_bench(cfg, device=a.device)
+    text = gpu_markdown(r)
+    print(text)
+    out = Path(a.out or "reports/bench/gpu")
+    write_json(out.with_suffix(".json"), r | {"methods": [{k: v for k, v in m.items() if k != "ms_per_image_all"}
+                                                         for m in r["methods"]]})
+    atomic_write(out.with_suffix(".md"), lambda tmp: Path(tmp).write_text(text))
+    return None
+
+
 def cmd_profile(a):
     sys.stdout.write(profile_text(a.name))
     return None
@@ -345,6 +363,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--method", required=True, help="a key of params table.cells")
     stage("table", cmd_table, "the results table and the tau-FID Pareto plot from bench-spec and eval-method "
           "-> reports/table.{md,json}, reports/pareto.png", world=False)
+    s = sub.add_parser("bench-gpu", help="GPU benchmark: a GPT-XL-sized random target and a matching EAGLE-3 "
+                       "drafter, vanilla vs speculative, CUDA-synchronised, bf16, optional torch.compile; prints one "
+                       "table -> reports/bench/gpu.{json,md}")
+    s.add_argument("--preset", default="GPT-XL")
+    s.add_argument("--tokens", type=int, default=256, help="image tokens (256 = 256 px)")
+    s.add_argument("--vocab", type=int, default=16384)
+    s.add_argument("--batch", type=int, default=1)
+    s.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    s.add_argument("--compile", action="store_true", help="torch.compile the forwards (compilation in the warm-up)")
+    s.add_argument("--repeats", type=int, default=3)
+    s.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    s.add_argument("--out", default=None, help="report path without suffix (default reports/bench/gpu)")
+    s.set_defaults(fn=cmd_bench_gpu)
     p = sub.add_parser("profile", help="print a named params profile (micro) to stdout")
     p.add_argument("name")
     p.set_defaults(fn=cmd_profile)

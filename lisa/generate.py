@@ -312,14 +312,14 @@ def _draft_tree(drafter, root_logp, root_hidden, n, spec: SpecConfig, C, use_cfg
     Ld = drafter.cache_length
     GB = root_hidden.shape[0]
     state = {"used": 0, "slot_of": torch.zeros(B, 0, dtype=torch.long, device=dev),
-             "hid_of": torch.zeros(GB, 0, root_hidden.shape[-1], device=dev)}
+             "hid_of": torch.zeros(GB, 0, root_hidden.shape[-1], device=dev, dtype=root_hidden.dtype)}
 
     def expand(tree, pick):
         M, k = tree.size, pick.shape[1]
         slot_of = torch.cat([state["slot_of"], torch.full((B, M - state["slot_of"].shape[1]), -1, dtype=torch.long,
                                                           device=dev)], 1)
         hid_of = torch.cat([state["hid_of"], torch.zeros(GB, M - state["hid_of"].shape[1], root_hidden.shape[-1],
-                                                         device=dev)], 1)
+                                                         device=dev, dtype=root_hidden.dtype)], 1)
         slots = n[:, None] + state["used"] + torch.arange(k, device=dev)  # (B, k)
         slot_of.scatter_(1, pick, slots)
         anc = tree.ancestor_mask().gather(1, pick[..., None].expand(-1, -1, M))  # (B, k, M) incl. self

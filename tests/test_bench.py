@@ -59,3 +59,15 @@ def test_sampling_bench_report_and_markdown():
     ms = {m["name"]: m for m in report["methods"]}
     assert ms["sjd"]["drafter_share"] == 0.0 and ms["exact-tree"]["drafter_share"] > 0.0
     assert 0.0 < ms["exact-tree"]["target_share"] < 1.0
+
+
+def test_gpu_bench_runs_small_on_the_cpu():
+    """`lisa bench-gpu` on a tiny preset (the GPU run uses GPT-XL): every method, t(N), one table; bf16 decodes."""
+    from lisa.gpubench import GPUBenchConfig, gpu_bench, gpu_markdown
+
+    r = gpu_bench(GPUBenchConfig(preset="GPT-micro", image_tokens=16, vocab_size=64, dtype="bf16", repeats=1,
+                                 conditions=1, forward_sizes=[1, 4]), device="cpu", progress=False)
+    assert [m["name"] for m in r["methods"]] == ["vanilla", "exact-chain", "exact-tree-16", "exact-tree-60"]
+    assert all(m["tau"] >= 1.0 and m["speedup"] > 0 for m in r["methods"]) and set(r["t_of_n_ms"]) == {1, 4}
+    text = gpu_markdown(r)
+    assert "t(N)" in text and "| exact-tree-60 |" in text and "bf16" in text
