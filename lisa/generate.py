@@ -27,11 +27,18 @@ def prefix_embeddings(model: Transformer, cond: Tensor, use_cfg: bool) -> Tensor
     return model.embed_cond(torch.cat([cond, cond]), drop)
 
 
-def prefix_key_mask(model: Transformer, cond_mask: Optional[Tensor], use_cfg: bool) -> Optional[Tensor]:
-    """(B', L) bool over cache slots: False at padded caption positions (LlamaGen's emb_masks), True elsewhere."""
-    if cond_mask is None:
+def prefix_key_mask(model: Transformer, cond_mask: Optional[Tensor], use_cfg: bool,
+                    cond: Optional[Tensor] = None) -> Optional[Tensor]:
+    """(B', L) bool over cache slots: False at padded caption positions (LlamaGen's emb_masks), True elsewhere.
+    lm targets (Lumina-mGPT): the unconditional CFG rows mask their whole prompt, so that they start at the
+    start-of-image token as in Lumina-mGPT's own guidance."""
+    lm_uncond = model.config.model_type == "lm" and use_cfg
+    if cond_mask is None and not lm_uncond:
         return None
-    cond_mask = torch.cat([cond_mask, cond_mask]) if use_cfg else cond_mask
+    if cond_mask is None:
+        cond_mask = torch.ones(cond.shape[0], model.config.cls_token_num, dtype=torch.bool, device=cond.device)
+    uncond = torch.zeros_like(cond_mask.bool()) if lm_uncond else cond_mask
+    cond_mask = torch.cat([cond_mask, uncond]) if use_cfg else cond_mask
     keep = torch.ones(cond_mask.shape[0], model.cache_length, dtype=torch.bool, device=cond_mask.device)
     keep[:, : cond_mask.shape[1]] = cond_mask.bool()
     return keep
@@ -99,7 +106,7 @@ def generate(model: Transformer, cond: Tensor, sampling: SamplingConfig, generat
         raise ValueError("cfg_scale != 1 needs a null class: this c2i model was built with class_dropout_prob=0")
     B, C = cond.shape[0], cfg.cls_token_num
     model.setup_caches((2 if sampling.use_cfg else 1) * B, C + T)
-    key_mask = prefix_key_mask(model, cond_mask, sampling.use_cfg)
+    key_mask = prefix_key_mask(model, cond_mask, sampling.use_cfg, cond)
     step = step_fn or decode_one_token
 
     tokens = torch.empty(B, T, dtype=torch.long, device=cond.device)
@@ -181,7 +188,7 @@ def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: S
     scratch = {"dynamic": spec.depth * spec.top_k, "static": N, "chain": spec.depth}[spec.tree]  # drafted pairs
     drafter.setup_caches(GB, T + scratch + spec.top_k + 2)
     d_junk = drafter.cache_length - 1
-    key_mask = prefix_key_mask(target, cond_mask, use_cfg)
+    key_mask = prefix_key_mask(target, cond_mask, use_cfg, cond)
     ar = torch.arange(B, device=dev)
     Lt, Ld = target.cache_length, drafter.cache_length
 
@@ -292,8 +299,6 @@ def tree_forward(target: Transformer, root: Tensor, tree, base: Tensor, key_mask
     Lt = target.cache_length
     slots = base[:, None] + torch.arange(N + 1, device=dev)  # (B, S)
     mask = (torch.arange(Lt, device=dev)[None, None, :] < base[:, None, None]).expand(B, N + 1, Lt).clone()
-    if key_mask is not None:
-        mask &= key_mask[:B, None, :]
     mask[torch.arange(B, device=dev), :, base] = True  # everyone sees the root
     tree_cols = torch.zeros(B, N + 1, Lt, dtype=torch.bool, device=dev)
     tree_cols.scatter_(2, slots[:, None, 1:].expand(B, N, N), tree.ancestor_mask())  # node i sees its ancestors
@@ -301,7 +306,10 @@ def tree_forward(target: Transformer, root: Tensor, tree, base: Tensor, key_mask
     depth = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), tree.depth], 1)
     rope = (base[:, None] + depth).clamp(max=target.rope.shape[0] - 1)
     x = target.embed_tokens(_dup(torch.cat([root[:, None], tree.tokens], 1), use_cfg))
-    return target(x, _dup(slots, use_cfg), mask=_dup(mask, use_cfg), rope_pos=_dup(rope, use_cfg), taps=taps)
+    mask = _dup(mask, use_cfg)
+    if key_mask is not None:  # per row: the unconditional rows of an lm target mask their whole prompt
+        mask &= key_mask[:, None, :]
+    return target(x, _dup(slots, use_cfg), mask=mask, rope_pos=_dup(rope, use_cfg), taps=taps)
 
 
 def _draft_tree(drafter, root_logp, root_hidden, n, spec: SpecConfig, C, use_cfg, sampling, max_pos, forced=None):
@@ -390,7 +398,7 @@ def jacobi_generate(target: Transformer, cond: Tensor, sampling: SamplingConfig,
     B, C, V, L = cond.shape[0], cfg.cls_token_num, cfg.vocab_size, window
     fn = verify.get_verifier(verifier)
     target.setup_caches((2 if use_cfg else 1) * B, C + T + L + 2)
-    key_mask = prefix_key_mask(target, cond_mask, use_cfg)
+    key_mask = prefix_key_mask(target, cond_mask, use_cfg, cond)
     ar = torch.arange(B, device=dev)
 
     def probs_of(logits):

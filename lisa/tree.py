@@ -108,8 +108,10 @@ def dynamic_tree(root_logprobs: Tensor, expand: Callable[[Tree, Tensor], Tensor]
         depths = torch.cat([depths, depths.gather(1, pick).repeat_interleave(top_k, dim=1) + 1], 1)
         q_nodes = torch.cat([q_nodes, torch.zeros(B, cand.shape[1], V, device=idx.device)], 1)
         frontier = torch.arange(n0, tokens.shape[1], device=idx.device).expand(B, -1)
-    rank = scores - 1e-6 * depths  # ties (a child with log-prob 0) never outrank their parent
-    keep = rank.topk(min(total_tokens, tokens.shape[1]), dim=-1).indices.sort(dim=-1).values  # (B, N), BFS order
+    # a child never scores above its parent (log-probs <= 0, and float addition is monotone); at a tie (a child of
+    # log-prob 0, e.g. a forced grammar token) the stable sort keeps the parent, which was created first
+    order = scores.sort(dim=-1, descending=True, stable=True).indices
+    keep = order[:, : min(total_tokens, tokens.shape[1])].sort(dim=-1).values  # (B, N), BFS order
     return select(Tree(tokens, parents, depths, scores, torch.cat([q_rows[0][:, None], q_nodes], 1)), keep)
 
 

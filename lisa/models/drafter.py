@@ -22,7 +22,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from lisa.models.gpt import GPTConfig, KVCache, RMSNorm, apply_rope, default_taps, find_multiple, rope_2d_table
+from lisa.models.gpt import (GPTConfig, KVCache, RMSNorm, apply_rope, default_taps, find_multiple, rope_1d_table,
+                             rope_2d_table)
 from lisa.models.presets import build_config
 
 
@@ -41,12 +42,16 @@ class DrafterConfig:
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
     medusa_heads: int = 4  # medusa
+    rope: str = "2d"  # "2d": LlamaGen's grid RoPE; "1d": over sequence positions (chameleon targets)
+    rope_length: int = 0  # 1d: positions covered
 
     def __post_init__(self):
         if self.kind not in ("eagle3", "medusa"):
             raise ValueError(f"DrafterConfig.kind must be 'eagle3' or 'medusa', got {self.kind!r}")
         if self.dim % self.n_head:
             raise ValueError(f"DrafterConfig: dim {self.dim} not divisible by n_head {self.n_head}")
+        if self.rope not in ("2d", "1d"):
+            raise ValueError(f"DrafterConfig.rope must be '2d' or '1d', got {self.rope!r}")
         if self.kind == "eagle3" and len(self.taps) != 3:
             raise ValueError(f"DrafterConfig: eagle3 fuses three target layers, got taps={self.taps}")
         self.taps = [int(t) for t in self.taps]
@@ -78,6 +83,8 @@ class DrafterConfig:
                     cls_token_num=target.cls_token_num, block_size=target.block_size,
                     multiple_of=target.multiple_of, ffn_dim_multiplier=target.ffn_dim_multiplier,
                     rope_base=target.rope_base, norm_eps=target.norm_eps)
+        if target.arch == "chameleon":
+            base |= dict(rope="1d", rope_length=target.rope_positions)
         return cls(**{**base, **overrides})
 
     @classmethod
@@ -145,7 +152,10 @@ class Eagle3Drafter(nn.Module):
         self.feed_forward = SwiGLU(cfg.dim, cfg.ffn_hidden)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        rope = rope_2d_table(cfg.grid_size, cfg.head_dim, cfg.rope_base, cfg.cls_token_num)
+        if cfg.rope == "1d":
+            rope = rope_1d_table(cfg.rope_length, cfg.head_dim, cfg.rope_base)
+        else:
+            rope = rope_2d_table(cfg.grid_size, cfg.head_dim, cfg.rope_base, cfg.cls_token_num)
         self.register_buffer("rope", rope, persistent=False)
         self.register_buffer("causal", torch.ones(0, 0, dtype=torch.bool), persistent=False)
         for m in self.modules():

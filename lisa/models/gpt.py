@@ -16,6 +16,16 @@ Beyond LlamaGen (what speculative decoding needs):
     positions (they differ inside a draft tree, where siblings share a depth), `mask` an explicit
     (B|1, S, K) bool attention mask over cache slots for a block of new tokens (K <= cache length).
   * `taps`: hidden states after chosen blocks (EAGLE-3 fuses a low, a middle and a high layer).
+
+`arch="chameleon"` is the Chameleon-7B / Lumina-mGPT stack (lisa/lumina.py imports transformers' checkpoints):
+1D RoPE over sequence positions, a per-head LayerNorm of queries and keys (`qk_norm`), optionally Swin-style
+post-norms (`swin_norm`), and `model_type="lm"`: the condition is the prompt's text token ids (B, C), left padded,
+embedded with the same table as everything else (`text_vocab_size` rows). Our token ids are a compact vocabulary
+(`vocab_size`: the image codes first, then the image grammar tokens) mapped onto the checkpoint's ids by the
+`token_ids` buffer; the output head holds just those rows, and logits of ids >= `free_vocab` (the grammar) are
+pushed to -1e4 so that only image codes are ever sampled (the grammar is forced: lisa.generate.force_tokens).
+The RoPE pairs are stored interleaved like LlamaGen's: the importer permutes the query / key rows of each head
+from transformers' rotate-half layout, which leaves every attention score unchanged.
 """
 from __future__ import annotations
 
@@ -50,7 +60,14 @@ class GPTConfig:
     attn_dropout_p: float = 0.0
     resid_dropout_p: float = 0.0
     ffn_dropout_p: float = 0.0
-    model_type: str = "c2i"  # "c2i" | "t2i"
+    model_type: str = "c2i"  # "c2i" | "t2i" | "lm" (prompt token ids, chameleon)
+    arch: str = "llamagen"  # "llamagen" | "chameleon"
+    qk_norm: bool = False  # chameleon: LayerNorm of each head's queries and keys
+    swin_norm: bool = False  # chameleon: x + norm(attn(x)) instead of x + attn(norm(x))
+    intermediate_size: Optional[int] = None  # SwiGLU hidden size; None = LlamaGen's rule (ffn_hidden)
+    text_vocab_size: int = 0  # lm: rows of the embedding table (the checkpoint's whole vocabulary)
+    free_vocab: int = 0  # lm: ids < free_vocab may be sampled (image codes), the rest are grammar (0 = all)
+    rope_length: int = 0  # chameleon: RoPE positions covered (0 = cls_token_num + block_size + 64)
     num_classes: int = 1000
     caption_dim: int = 2048
     class_dropout_prob: float = 0.1  # > 0 adds the null class row (index num_classes) / enables CFG
@@ -59,15 +76,23 @@ class GPTConfig:
     block_size: int = 256  # image tokens = grid_size ** 2
 
     def __post_init__(self):
-        if self.model_type not in ("c2i", "t2i"):
-            raise ValueError(f"GPTConfig.model_type must be 'c2i' or 't2i', got {self.model_type!r}")
+        if self.model_type not in ("c2i", "t2i", "lm"):
+            raise ValueError(f"GPTConfig.model_type must be 'c2i', 't2i' or 'lm', got {self.model_type!r}")
+        if self.arch not in ("llamagen", "chameleon"):
+            raise ValueError(f"GPTConfig.arch must be 'llamagen' or 'chameleon', got {self.arch!r}")
+        if (self.model_type == "lm") != (self.arch == "chameleon"):
+            raise ValueError(f"GPTConfig: model_type 'lm' goes with arch 'chameleon' (got {self.model_type!r}, "
+                             f"{self.arch!r})")
+        if self.model_type == "lm" and self.text_vocab_size < self.vocab_size:
+            raise ValueError(f"GPTConfig.text_vocab_size={self.text_vocab_size} is smaller than "
+                             f"vocab_size={self.vocab_size}")
         if self.dim % self.n_head:
             raise ValueError(f"GPTConfig.dim={self.dim} is not divisible by n_head={self.n_head}")
         if self.n_head % self.kv_heads:
             raise ValueError(f"GPTConfig.n_head={self.n_head} is not divisible by n_kv_head={self.kv_heads}")
         if (self.dim // self.n_head) % 4:
             raise ValueError(f"GPTConfig head_dim={self.dim // self.n_head} must be divisible by 4 (2D RoPE)")
-        if math.isqrt(self.block_size) ** 2 != self.block_size:
+        if self.arch == "llamagen" and math.isqrt(self.block_size) ** 2 != self.block_size:
             raise ValueError(f"GPTConfig.block_size={self.block_size} is not a square token grid")
         if self.model_type == "c2i" and self.cls_token_num != 1:
             raise ValueError(f"GPTConfig: c2i uses one class token, got cls_token_num={self.cls_token_num}")
@@ -86,6 +111,8 @@ class GPTConfig:
 
     @property
     def ffn_hidden(self) -> int:
+        if self.intermediate_size:
+            return self.intermediate_size
         hidden = int(2 * (4 * self.dim) / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
@@ -93,7 +120,11 @@ class GPTConfig:
 
     @property
     def has_null_cond(self) -> bool:
-        return self.model_type == "t2i" or self.class_dropout_prob > 0
+        return self.model_type in ("t2i", "lm") or self.class_dropout_prob > 0
+
+    @property
+    def rope_positions(self) -> int:
+        return self.rope_length or self.cls_token_num + self.block_size + 64
 
     @classmethod
     def from_dict(cls, d: dict) -> "GPTConfig":
@@ -138,6 +169,20 @@ def rope_2d_table(grid_size: int, head_dim: int, base: float, cls_token_num: int
     return torch.cat([torch.zeros(cls_token_num, half, 2), table])
 
 
+def rope_1d_table(length: int, head_dim: int, base: float) -> Tensor:
+    """(length, head_dim // 2, 2) table of (cos, sin) for 1D RoPE over positions 0..length-1 (pair j: frequency
+    base ** (-2j / head_dim)), in apply_rope's adjacent-pair layout."""
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    angles = torch.outer(torch.arange(length, dtype=torch.float32), freqs)
+    return torch.stack([torch.cos(angles), torch.sin(angles)], dim=-1)
+
+
+def rotate_half_permutation(head_dim: int) -> Tensor:
+    """Index that reorders one head's dims from rotate-half RoPE pairs (j, j + hd/2) to adjacent pairs (2j, 2j+1)."""
+    half = head_dim // 2
+    return torch.stack([torch.arange(half), torch.arange(half) + half], dim=-1).flatten()
+
+
 def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
     """x: (B, S, H, hd); rope: (B|1, S, hd // 2, 2). Rotates adjacent pairs, in fp32 like LlamaGen."""
     xs = x.float().reshape(*x.shape[:-1], -1, 2)  # (B, S, H, hd/2, 2)
@@ -161,6 +206,19 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+class HeadNorm(nn.Module):
+    """Chameleon's query / key norm: LayerNorm statistics over each head's dims, a weight and bias per head."""
+
+    def __init__(self, n_head: int, head_dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(n_head, head_dim))
+        self.bias = nn.Parameter(torch.zeros(n_head, head_dim))
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, S, H, hd)
+        return F.layer_norm(x, x.shape[-1:], eps=self.eps) * self.weight + self.bias
 
 
 class FeedForward(nn.Module):
@@ -214,13 +272,21 @@ class Attention(nn.Module):
         self.attn_dropout_p = cfg.attn_dropout_p
         self.resid_dropout = nn.Dropout(cfg.resid_dropout_p)
         self.kv_cache: Optional[KVCache] = None
+        if cfg.qk_norm:
+            self.q_norm = HeadNorm(cfg.n_head, cfg.head_dim)
+            self.k_norm = HeadNorm(cfg.kv_heads, cfg.head_dim)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(self, x: Tensor, rope: Tensor, input_pos: Optional[Tensor], mask: Optional[Tensor]) -> Tensor:
         B, S, D = x.shape
         kv = self.n_kv_head * self.head_dim
         q, k, v = self.wqkv(x).split([D, kv, kv], dim=-1)
-        q = apply_rope(q.view(B, S, self.n_head, self.head_dim), rope).transpose(1, 2)  # (B, H, S, hd)
-        k = apply_rope(k.view(B, S, self.n_kv_head, self.head_dim), rope).transpose(1, 2)  # (B, Hkv, S, hd)
+        q, k = q.view(B, S, self.n_head, self.head_dim), k.view(B, S, self.n_kv_head, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, rope).transpose(1, 2)  # (B, H, S, hd)
+        k = apply_rope(k, rope).transpose(1, 2)  # (B, Hkv, S, hd)
         v = v.view(B, S, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, Hkv, S, hd)
         if input_pos is not None:
             k, v = self.kv_cache.update(input_pos, k, v)  # (B, Hkv, L, hd)
@@ -240,8 +306,12 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(cfg)
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.swin_norm = cfg.swin_norm
 
     def forward(self, x: Tensor, rope: Tensor, input_pos: Optional[Tensor], mask: Optional[Tensor]) -> Tensor:
+        if self.swin_norm:  # Chameleon-30B style: norms after the sublayers
+            h = x + self.attention_norm(self.attention(x, rope, input_pos, mask))
+            return h + self.ffn_norm(self.feed_forward(h))
         h = x + self.attention(self.attention_norm(x), rope, input_pos, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -289,6 +359,18 @@ class CaptionEmbedder(nn.Module):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+class PromptEmbedder(nn.Module):
+    """lm: the prompt is text token ids (B, C) read through the model's own embedding table (no extra weights);
+    the unconditional CFG row is the same prompt with every prefix position masked out (lisa.generate)."""
+
+    def __init__(self, table: nn.Embedding):
+        super().__init__()
+        self.table = [table]  # not a submodule: the weights belong to Transformer.tok_embeddings
+
+    def forward(self, ids: Tensor, drop: Optional[Tensor]) -> Tensor:
+        return self.table[0](ids)
+
+
 class GPTOutput(NamedTuple):
     logits: Optional[Tensor]  # (B, S, V) fp32; None when asked for hidden taps only
     hidden: tuple[Tensor, ...]  # one (B, S, D) per requested tap, in the order asked
@@ -298,13 +380,22 @@ class Transformer(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.config = cfg
-        self.cls_embedding = LabelEmbedder(cfg) if cfg.model_type == "c2i" else CaptionEmbedder(cfg)
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        if cfg.model_type == "lm":
+            self.tok_embeddings = nn.Embedding(cfg.text_vocab_size, cfg.dim)
+            self.cls_embedding = PromptEmbedder(self.tok_embeddings)
+            # our id -> the checkpoint's id (image codes, then grammar tokens); persistent: saved with the weights
+            self.register_buffer("token_ids", torch.arange(cfg.vocab_size))
+        else:  # (registration order = init order: kept as it was, so seeded models stay the same)
+            self.cls_embedding = LabelEmbedder(cfg) if cfg.model_type == "c2i" else CaptionEmbedder(cfg)
+            self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.tok_dropout = nn.Dropout(cfg.token_dropout_p)
         self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        rope = rope_2d_table(cfg.grid_size, cfg.head_dim, cfg.rope_base, cfg.cls_token_num)
+        if cfg.arch == "chameleon":
+            rope = rope_1d_table(cfg.rope_positions, cfg.head_dim, cfg.rope_base)
+        else:
+            rope = rope_2d_table(cfg.grid_size, cfg.head_dim, cfg.rope_base, cfg.cls_token_num)
         self.register_buffer("rope", rope, persistent=False)  # (C + block_size, hd/2, 2)
         self.register_buffer("causal", torch.ones(0, 0, dtype=torch.bool), persistent=False)
         self.apply(self._init_weights)
@@ -344,7 +435,14 @@ class Transformer(nn.Module):
         return self.cls_embedding(cond, drop)[:, : self.config.cls_token_num]
 
     def embed_tokens(self, idx: Tensor) -> Tensor:
+        if self.config.model_type == "lm":
+            idx = self.token_ids[idx]
         return self.tok_embeddings(idx)  # (B, S, D)
+
+    def token_embedding_table(self) -> Tensor:
+        """(vocab_size, D): the embedding of each of our token ids (what a drafter starts from)."""
+        w = self.tok_embeddings.weight
+        return w[self.token_ids] if self.config.model_type == "lm" else w
 
     def forward(
         self,
@@ -391,16 +489,30 @@ class Transformer(nn.Module):
             if i in taps:
                 hidden[i] = h
         out = self.output(self.norm(h)).float() if logits else None  # (B, S, V)
+        if out is not None and self.config.free_vocab:
+            out[..., self.config.free_vocab :] = -1e4  # grammar tokens: forced, never sampled
         return GPTOutput(out, tuple(hidden[i] for i in taps))
 
     def teacher_forced(self, cond: Tensor, tokens: Tensor, drop: Optional[Tensor] = None, taps: Sequence[int] = (),
-                       logits: bool = True) -> GPTOutput:
+                       logits: bool = True, cond_mask: Optional[Tensor] = None) -> GPTOutput:
         """Logits (B, T, V) for (condition, image tokens (B, T)) with no cache: logits[:, t] predicts tokens[:, t]
         (it sees the condition and tokens[:, :t]). Hidden taps are aligned the same way. logits=False: taps only,
-        the target run up to its highest tapped block (labels come from a logit cache)."""
+        the target run up to its highest tapped block (labels come from a logit cache). cond_mask (B, C) bool:
+        False at padded prefix positions (no query attends them); lm rows dropped by `drop` mask their whole
+        prompt (the unconditional row)."""
         C = self.config.cls_token_num
         x = torch.cat([self.embed_cond(cond, drop), self.embed_tokens(tokens[:, :-1])], dim=1)  # (B, C+T-1, D)
-        out = self(x, taps=taps, logits=logits)
+        mask = None
+        if cond_mask is not None or (drop is not None and self.config.model_type == "lm"):
+            S = x.shape[1]
+            keep = torch.ones(x.shape[0], S, dtype=torch.bool, device=x.device)
+            if cond_mask is not None:
+                keep[:, :C] = cond_mask.bool()
+            if drop is not None and self.config.model_type == "lm":
+                keep[:, :C] &= ~drop[:, None]
+            causal = torch.tril(torch.ones(S, S, dtype=torch.bool, device=x.device))
+            mask = (causal[None] & keep[:, None, :]) | torch.eye(S, dtype=torch.bool, device=x.device)[None]
+        out = self(x, mask=mask, taps=taps, logits=logits)
         return GPTOutput(out.logits[:, C - 1 :] if logits else None, tuple(h[:, C - 1 :] for h in out.hidden))
 
     def num_params(self) -> int:

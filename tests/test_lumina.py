@@ -1,0 +1,163 @@
+"""Lumina-mGPT / Chameleon targets (lisa/lumina.py): a tiny random transformers Chameleon checkpoint, written to
+a local directory and read back with no network, gives transformers' logits; the image grammar sits exactly in
+place in vanilla and speculative decoding (with CFG, batch > 1); batched CFG equals Lumina-mGPT's sequential
+passes; a checkpoint with the wrong vocabulary size is a clear error."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from lisa.checkpoint import CheckpointError
+from lisa.drafter_train import new_drafter
+from lisa.generate import SpecConfig, generate, speculative_generate
+from lisa.lumina import (LuminaGrammar, chameleon_codebook, encode_prompts, geometry_codebook,
+                         guided_logits_sequential, import_chameleon)
+from lisa.sampling import SamplingConfig, cfg_logits
+
+K = 16  # a tiny codebook: random drafts are sometimes right, so speculative rounds accept
+GRAMMAR = LuminaGrammar(codebook_size=K, max_grid=8)
+GRID = 3  # 48 px at downsample 16 -> 3x3 codes + 3 EOL + 4 = 16 tokens
+PROMPT = 24
+
+
+def letters(n: int) -> str:
+    return "".join(chr(ord("A") + int(d)) for d in str(n))
+
+
+def make_tokenizer(path):
+    """A small word-level tokenizer (ids in the text range 8810..) saved as tokenizer.json beside the weights."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "generate", "an", "image", "of", "48x48", "according", "to", "the", "following",
+             "prompt", ":", "a", "red", "apple", "cat", "on", "mat"]
+    tok = Tokenizer(models.WordLevel({w: 8810 + i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace()])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>")
+    fast.save_pretrained(str(path))
+
+
+@pytest.fixture(scope="module")
+def lumina_dir(tmp_path_factory):
+    from transformers import ChameleonConfig, ChameleonForConditionalGeneration
+
+    vmap = {f"IMGIMG{letters(c)}Z": 4 + c for c in range(K)}
+    vmap["<image>"] = 8711
+    cfg = ChameleonConfig(vocab_size=8900, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                          vocabulary_map=vmap,
+                          vq_config=dict(embed_dim=8, num_embeddings=K, base_channels=32, channel_multiplier=[1, 1],
+                                         num_res_blocks=1, latent_channels=32, resolution=32, attn_resolutions=[]))
+    torch.manual_seed(0)
+    model = ChameleonForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # weights far from init, so that norms, biases and RoPE all matter
+        for name, p in model.named_parameters():
+            p.add_(torch.randn_like(p) * (0.3 if p.dim() < 2 or "norm" in name else 0.1))
+    path = tmp_path_factory.mktemp("lumina") / "Lumina-mGPT-tiny"
+    model.save_pretrained(str(path))
+    make_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def target(lumina_dir):
+    return import_chameleon(lumina_dir, image_size=GRID * 16, prompt_len=PROMPT, grammar=GRAMMAR)
+
+
+def prompts(lumina_dir):
+    return encode_prompts(lumina_dir, ["a red apple", "a cat on the mat", "apple"], PROMPT, GRID * 16)
+
+
+def test_offline_load_matches_transformers(lumina_dir, target, monkeypatch):
+    from transformers import ChameleonForConditionalGeneration
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hf = ChameleonForConditionalGeneration.from_pretrained(str(lumina_dir), local_files_only=True).eval()
+    assert target.config.vocab_size == GRAMMAR.vocab_size and target.config.text_vocab_size == 8900
+    assert target.token_ids[:K].tolist() == list(range(4, 4 + K))  # from the vocabulary_map
+    assert target.token_ids[K:K + 3].tolist() == [8197, 8196, 8803]
+    ids, mask = prompts(lumina_dir)
+    assert mask[:, -1].all() and not mask[:, 0].all()  # left padded
+    forced = GRAMMAR.forced(GRID, GRID)
+    tokens = torch.where(forced >= 0, forced, torch.randint(0, K, (3, len(forced))))
+    with torch.no_grad():
+        ours = target.teacher_forced(ids, tokens, cond_mask=mask).logits  # (B, T, V)
+        full = torch.cat([ids, target.token_ids[tokens]], 1)
+        am = torch.cat([mask, torch.ones_like(tokens, dtype=torch.bool)], 1).long()
+        pos = (am.cumsum(1) - 1).clamp(min=0)
+        h = hf.model(input_ids=full, attention_mask=am, position_ids=pos).last_hidden_state
+        ref = hf.lm_head(h)[:, PROMPT - 1 : -1][..., target.token_ids]
+    assert ref[..., :K].std() > 0.5  # a real signal, not near-zero random-init logits
+    torch.testing.assert_close(ours[..., :K], ref[..., :K], atol=2e-4, rtol=2e-4)
+    assert (ours[..., K:] == -1e4).all()  # grammar ids are never sampled
+    # the VQ-VAE codebook from the same checkpoint, extended over the grammar ids for the geometry table
+    book = chameleon_codebook(lumina_dir)
+    torch.testing.assert_close(book, hf.model.vqmodel.quantize.embedding.weight.float())
+    geo = geometry_codebook(book, target.config.vocab_size)
+    assert geo.shape[0] == target.config.vocab_size and (geo[:K, book.shape[1]:] == 0).all()
+
+
+@pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
+def test_grammar_in_place_vanilla_and_speculative(lumina_dir, target, cfg_scale):
+    ids, mask = prompts(lumina_dir)
+    forced = GRAMMAR.forced(GRID, GRID)
+    fixed = forced >= 0
+    sampling = SamplingConfig(temperature=1.0, top_k=8, cfg_scale=cfg_scale)
+    drafter = new_drafter(target).eval()
+    runs = {"vanilla": generate(target, ids, sampling, torch.Generator().manual_seed(0), cond_mask=mask,
+                                forced=forced)[0]}
+    for tree in ("dynamic", "chain"):
+        spec = SpecConfig(verifier="exact", tree=tree, depth=3, top_k=3, total_tokens=6)
+        runs[tree], stats = speculative_generate(target, drafter, ids, sampling, spec,
+                                                 torch.Generator().manual_seed(1), cond_mask=mask, forced=forced)
+        assert sum(stats["accept_lengths"][0]) == len(forced) - 1
+    for name, out in runs.items():
+        assert out.shape == (3, GRAMMAR.sequence_length(GRID, GRID)), name
+        assert (out[:, fixed] == forced[fixed]).all(), name  # SOI, sizes, EOL after each row, EOI
+        assert (out[:, ~fixed] < K).all(), name  # codes only elsewhere
+        assert GRAMMAR.codes(out, GRID, GRID).shape == (3, GRID, GRID)
+
+
+def test_greedy_speculative_equals_vanilla_and_batched_cfg_equals_sequential(lumina_dir, target):
+    ids, mask = prompts(lumina_dir)
+    forced = GRAMMAR.forced(GRID, GRID)
+    greedy = SamplingConfig(temperature=0.0, cfg_scale=3.0)
+    ref, _ = generate(target, ids, greedy, cond_mask=mask, forced=forced)
+    out, _ = speculative_generate(target, new_drafter(target).eval(), ids, greedy,
+                                  SpecConfig(verifier="greedy", depth=3, top_k=3, total_tokens=6),
+                                  cond_mask=mask, forced=forced)
+    assert torch.equal(out, ref)
+    # the cached, batched CFG decode picks the argmax of Lumina-mGPT's two separate, uncached passes
+    seq = guided_logits_sequential(target, ids, mask, ref, 3.0)
+    free = forced < 0
+    assert torch.equal(seq.argmax(-1)[:, free], ref[:, free])
+    batched = cfg_logits(target.teacher_forced(torch.cat([ids, ids]), torch.cat([ref, ref]),
+                                               drop=torch.tensor([False] * 3 + [True] * 3),
+                                               cond_mask=torch.cat([mask, mask])).logits, 3.0)
+    torch.testing.assert_close(batched, seq)
+
+
+def test_wrong_vocab_size_is_a_clear_error(lumina_dir, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(lumina_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["vocab_size"] = 8000  # cannot hold the grammar ids (8803 ...)
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"config\.json: vocab_size 8000 cannot hold"):
+        import_chameleon(bad, image_size=GRID * 16, prompt_len=PROMPT, grammar=GRAMMAR)
+    cfg["vocab_size"] = 9000  # large enough, but not what the weights have
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"embed_tokens\.weight has shape \(8900, 64\) but config\.json says "
+                                              r"vocab_size 9000"):
+        import_chameleon(bad, image_size=GRID * 16, prompt_len=PROMPT, grammar=GRAMMAR)
+
+
+def test_grammar_layout():
+    g = LuminaGrammar()  # Lumina-mGPT-7B-768: 48 x 48 codes + 48 EOL + 4 = 2356 tokens
+    f = g.forced(48, 48)
+    assert len(f) == 2356 == g.sequence_length(48, 48)
+    ids = g.checkpoint_ids(torch.arange(8192) + 4)[f[f >= 0]]
+    assert ids[:3].tolist() == [8197, 8804 + 48, 8804 + 48] and ids[-1] == 8196
+    assert (ids[3:-1] == 8803).all() and len(ids) == 48 + 4
+    assert (f.view(-1)[3:-1].view(48, 49)[:, :48] == -1).all()
