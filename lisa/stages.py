@@ -23,7 +23,8 @@ from tqdm import tqdm
 
 from lisa import cache, data, fid, judges, quality
 from lisa.bench import auto_tree, bench_speculative, bench_vanilla, markdown_table, speculative_markdown
-from lisa.checkpoint import atomic_write, file_sha256, load_artifact, read_state_dict, save_artifact, write_json
+from lisa.checkpoint import (CheckpointError, atomic_write, file_sha256, load_artifact, read_state_dict, save_artifact,
+                             write_json)
 from lisa.config import (AblateLIDParams, AutoTreeParams, BenchMethod, BenchParams, BenchSpecParams, BuildDatasetParams,
                          CacheLogitsParams, CalibrateParams, TableParams, CorporaParams, EncodeParams, EvaluateParams, InitTargetParams, InitTokenizerParams,
                          PremiseParams, QualityParams, SampleParams, SelfGeneratedParams, TrainDrafterParams, TrainJudgeParams,
@@ -97,16 +98,49 @@ def corpora_layout(root: str | Path = ".") -> dict[str, Path]:
 
 def _save_initial(model, out: Path, kind: str, seed: int, checkpoint) -> dict:
     """Write an imported (checkpoint set) or randomly initialised model as a step-0 artifact."""
-    made_from = ({"llamagen_checkpoint": str(checkpoint), "sha256": file_sha256(checkpoint)} if checkpoint
+    def sha(path):  # a transformers directory: the hash of its files' hashes (config, shards, tokenizer)
+        path = Path(path)
+        if path.is_file():
+            return file_sha256(path)
+        h = hashlib.sha256()
+        for f in sorted(x for x in path.rglob("*") if x.is_file()):
+            h.update(f"{f.relative_to(path)}:{file_sha256(f)}\n".encode())
+        return h.hexdigest()
+
+    made_from = ({"llamagen_checkpoint": str(checkpoint), "sha256": sha(checkpoint)} if checkpoint
                  else {"init": "random"})
     meta = save_artifact(model, out, kind, model.config, step=0, seed=seed, made_from=made_from)
     return {"params": sum(x.numel() for x in model.parameters()), "sha256": meta["sha256"], "path": str(out)}
 
 
+def world_sampling(world: WorldParams, p) -> SamplingConfig:
+    """The SamplingConfig of a sampling section `p`, with the world's own `sampling` values over it."""
+    known = {"temperature", "top_k", "top_p", "cfg_scale"}
+    over = world.sampling or {}
+    if set(over) - known:
+        raise ValueError(f"worlds.<world>.sampling: unknown keys {sorted(set(over) - known)}; known: {sorted(known)}")
+    v = {k: over.get(k, getattr(p, k)) for k in known}
+    return SamplingConfig(float(v["temperature"]), int(v["top_k"]), float(v["top_p"]), float(v["cfg_scale"]))
+
+
 def init_target(world: WorldParams, p: InitTargetParams, out_dir: str | Path) -> dict:
-    """Target artifact for a world: imported from `world.target_checkpoint` if set, else seeded random init."""
+    """Target artifact for a world: imported from `world.target_checkpoint` if set (an official LlamaGen .pt, or a
+    Lumina-mGPT / Chameleon transformers directory), else seeded random init."""
+    from lisa.lumina import LuminaGrammar, import_chameleon, is_chameleon_dir
+
     torch.manual_seed(p.seed)
-    if world.target_checkpoint:
+    if world.target_checkpoint and is_chameleon_dir(world.target_checkpoint):
+        want = world.gpt_config()
+        grid = next(g for g in range(1, 129) if 4 + g * (g + 1) >= want.block_size)
+        grammar = LuminaGrammar(codebook_size=want.free_vocab, max_grid=want.vocab_size - want.free_vocab - 4)
+        model = import_chameleon(world.target_checkpoint, image_size=16 * grid, prompt_len=want.cls_token_num,
+                                 grammar=grammar)
+        if model.config != want:
+            diff = {k: (getattr(want, k), getattr(model.config, k)) for k in vars(want)
+                    if getattr(want, k) != getattr(model.config, k)}
+            raise CheckpointError(f"{world.target_checkpoint}: differs from worlds.<world>.target (params, checkpoint): "
+                                  f"{diff}")
+    elif world.target_checkpoint:
         vq = world.vq_config()
         overrides = {k: v for k, v in world.target.items() if k != "preset"}
         model = import_llamagen_gpt(world.target_checkpoint, world.target.get("preset"), vq.image_size,
@@ -230,6 +264,7 @@ def sample(target_path: str | Path, tokenizer_path: str | Path, world: WorldPara
     model, target_meta = load_target(target_path)
     vq, vq_meta = load_tokenizer(tokenizer_path)
     cfg = model.config
+    cond_mask = None
     if cfg.vocab_size != vq.config.codebook_size:
         raise ValueError(f"{target_path} has vocab_size {cfg.vocab_size} but {tokenizer_path} has "
                          f"codebook_size {vq.config.codebook_size}")
@@ -244,8 +279,13 @@ def sample(target_path: str | Path, tokenizer_path: str | Path, world: WorldPara
             raise ValueError(f"{target_path} is text-conditional: sample.prompts must list captions")
         encoder = CaptionEncoder(None if world.caption_encoder in (None, "minilm") else world.caption_encoder)
         rows = list(p.prompts)
-        cond = encoder.encode(rows, cfg.cls_token_num).repeat_interleave(p.per_class, dim=0)  # (N, C, D)
-    sampling = SamplingConfig(p.temperature, p.top_k, p.top_p, p.cfg_scale)
+        if encoder.is_t5:  # LlamaGen-T2I: 120 left-padded T5 positions and their mask
+            feats, mask = encoder.encode_t5(rows, cfg.cls_token_num)
+            cond_mask = mask.repeat_interleave(p.per_class, dim=0)
+        else:
+            feats = encoder.encode(rows, cfg.cls_token_num)
+        cond = feats.repeat_interleave(p.per_class, dim=0)  # (N, C, D)
+    sampling = world_sampling(world, p)
     gen = torch.Generator().manual_seed(p.seed)
     tokens, images, decode_s = [], [], 0.0
     t0 = time.perf_counter()
@@ -253,8 +293,9 @@ def sample(target_path: str | Path, tokenizer_path: str | Path, world: WorldPara
     decode = _decoder(model, vq, target_meta, p, drafter_path, calib=cond[: p.batch_size], auto=auto,
                       calibration_path=calibration_path)
     taus = []
-    for batch in tqdm(cond.split(p.batch_size), desc=f"sample ({p.method})", unit="batch"):
-        tok, stats = decode(batch, sampling, gen)
+    masks = cond_mask.split(p.batch_size) if cond_mask is not None else [None] * len(cond.split(p.batch_size))
+    for batch, mask in tqdm(list(zip(cond.split(p.batch_size), masks)), desc=f"sample ({p.method})", unit="batch"):
+        tok, stats = decode(batch, sampling, gen, cond_mask=mask)
         taus.append(stats.get("tau", 1.0))
         t1 = time.perf_counter()
         with torch.inference_mode():

@@ -161,3 +161,29 @@ def test_grammar_layout():
     assert ids[:3].tolist() == [8197, 8804 + 48, 8804 + 48] and ids[-1] == 8196
     assert (ids[3:-1] == 8803).all() and len(ids) == 48 + 4
     assert (f.view(-1)[3:-1].view(48, 49)[:, :48] == -1).all()
+
+
+def test_init_target_imports_a_lumina_directory(lumina_dir, target, tmp_path):
+    """The pipeline's init-target stage: a world whose target_checkpoint is a Chameleon directory is imported into
+    our artifact format (config and id map included), reloads, and decodes with the grammar in place."""
+    from dataclasses import asdict
+
+    from lisa.config import InitTargetParams, WorldParams
+    from lisa.load import load_target
+    from lisa.stages import init_target
+
+    world = WorldParams(target=asdict(target.config), tokenizer={"preset": "VQ-micro"},
+                        target_checkpoint=str(lumina_dir))
+    info = init_target(world, InitTargetParams(), tmp_path / "target")
+    model, meta = load_target(tmp_path / "target" / "model.safetensors")
+    assert meta["made_from"]["llamagen_checkpoint"] == str(lumina_dir) and info["sha256"] == meta["sha256"]
+    assert torch.equal(model.token_ids, target.token_ids)
+    ids, mask = prompts(lumina_dir)
+    forced = GRAMMAR.forced(GRID, GRID)
+    out, _ = generate(model, ids, SamplingConfig(top_k=4, cfg_scale=3.0), torch.Generator().manual_seed(0),
+                      cond_mask=mask, forced=forced)
+    assert (out[:, forced >= 0] == forced[forced >= 0]).all()
+    bad = WorldParams(target={**asdict(target.config), "n_layer": 5}, tokenizer={"preset": "VQ-micro"},
+                      target_checkpoint=str(lumina_dir))
+    with pytest.raises(CheckpointError, match="n_layer"):
+        init_target(bad, InitTargetParams(), tmp_path / "bad")
