@@ -16,7 +16,7 @@ def lisa_full(params_path: str = "params.yaml", root: str = ".") -> dict:
     others are imported (or randomly initialised)."""
     params_path = str(Path(root) / params_path) if not Path(params_path).is_absolute() else params_path
     worlds = load_params(params_path).worlds
-    metrics = {}
+    metrics = {"estimate": t.estimate(params_path)}  # GPU memory / time, logged before anything runs
     for name, world in worlds.items():
         m = metrics[name] = {}
         if world.dataset is not None:

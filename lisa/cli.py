@@ -258,6 +258,17 @@ def cmd_bench_gpu(a):
     return None
 
 
+def cmd_estimate(a):
+    from lisa.estimate import estimate_markdown, missing_checkpoints
+
+    p = load_params(a.params)
+    sys.stdout.write(estimate_markdown(p, a.gpu, a.tau))
+    missing = missing_checkpoints(p)
+    if missing:
+        sys.stdout.write("\nNot found (see README, 'Use your own checkpoints'):\n" + "".join(f"  {m}\n" for m in missing))
+    return None
+
+
 def cmd_profile(a):
     sys.stdout.write(profile_text(a.name))
     return None
@@ -376,7 +387,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     s.add_argument("--out", default=None, help="report path without suffix (default reports/bench/gpu)")
     s.set_defaults(fn=cmd_bench_gpu)
-    p = sub.add_parser("profile", help="print a named params profile (micro) to stdout")
+    s = sub.add_parser("estimate", help="GPU memory and time of every world's stages, from the params alone "
+                       "(nothing is loaded), and the checkpoint paths that are missing")
+    s.add_argument("--params", default="params.yaml")
+    s.add_argument("--gpu", default="H200", help="H200 | H100 | A100-80G | A100-40G | L40S | RTX4090")
+    s.add_argument("--tau", type=float, default=2.5, help="acceptance length assumed for speculative decoding")
+    s.set_defaults(fn=cmd_estimate)
+    p = sub.add_parser("profile", help="print a named params profile (micro, real) to stdout")
     p.add_argument("name")
     p.set_defaults(fn=cmd_profile)
     return parser

@@ -115,6 +115,10 @@ class SamplingParams:
 class SampleParams(SamplingParams):
     classes: list[int] = Field(default_factory=lambda: list(range(10)))  # c2i: one grid row per class
     prompts: list[str] = Field(default_factory=list)  # t2i: one grid row per caption
+    # t2i: MS-COCO 2017 captions (captions_val2017.json), the longest caption per image, the first `num_prompts`
+    # images by id; used instead of `prompts` when set (lisa.data.coco_prompts)
+    prompts_file: Optional[str] = None
+    num_prompts: int = 16
     per_class: int = 4
     batch_size: int = 8
     # decoding method: vanilla, or a verifier name (greedy, exact, lantern with a drafter; sjd, gsd drafter-free)

@@ -182,3 +182,24 @@ def images_tensor(ds) -> torch.Tensor:
 def to_model_range(images_u8: torch.Tensor) -> torch.Tensor:
     """uint8 (N, 3, H, W) -> float in [-1, 1]."""
     return images_u8.float() / 127.5 - 1.0
+
+
+def coco_prompts(path: str | Path, n: Optional[int] = None) -> list[str]:
+    """MS-COCO captions (an annotations file such as captions_val2017.json) -> the longest caption of each image
+    (the LANTERN / LlamaGen evaluation convention), images in id order, the first n. Errors name the file."""
+    import json
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"MS-COCO captions file not found: {path} (annotations/captions_val2017.json)")
+    try:
+        anns = json.loads(path.read_text())["annotations"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not an MS-COCO captions file (needs an 'annotations' list): {e}") from None
+    best: dict[int, str] = {}
+    for a in anns:
+        cap = " ".join(str(a["caption"]).split())
+        if len(cap) > len(best.get(a["image_id"], "")):
+            best[a["image_id"]] = cap
+    caps = [best[i] for i in sorted(best)]
+    return caps[:n] if n is not None else caps

@@ -275,10 +275,10 @@ def sample(target_path: str | Path, tokenizer_path: str | Path, world: WorldPara
         rows = [str(c) for c in p.classes]
         cond = torch.tensor([c for c in p.classes for _ in range(p.per_class)])
     else:
-        if not p.prompts:
-            raise ValueError(f"{target_path} is text-conditional: sample.prompts must list captions")
+        rows = data.coco_prompts(p.prompts_file, p.num_prompts) if p.prompts_file else list(p.prompts)
+        if not rows:
+            raise ValueError(f"{target_path} is text-conditional: sample.prompts (or prompts_file) must give captions")
         encoder = CaptionEncoder(None if world.caption_encoder in (None, "minilm") else world.caption_encoder)
-        rows = list(p.prompts)
         if encoder.is_t5:  # LlamaGen-T2I: 120 left-padded T5 positions and their mask
             feats, mask = encoder.encode_t5(rows, cfg.cls_token_num)
             cond_mask = mask.repeat_interleave(p.per_class, dim=0)

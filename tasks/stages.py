@@ -193,3 +193,17 @@ def table(params_path: str, root: str = ".") -> dict:
     return stages.results_table(list(p.worlds), p.table, stages.layout("-", root)["bench"],
                                 lambda w: stages.layout(w, root)["cells"], Path(root) / "reports" / "table.md",
                                 Path(root) / "reports" / "pareto.png")
+
+
+@task(name="estimate")
+def estimate(params_path: str, gpu: str = "H200") -> str:
+    """GPU memory and time of the run, from the params alone: logged before any stage starts."""
+    from lisa.estimate import estimate_markdown, missing_checkpoints
+
+    p = load_params(params_path)
+    text = estimate_markdown(p, gpu)
+    missing = missing_checkpoints(p)
+    if missing:
+        text += "\nNot found: " + "; ".join(missing) + "\n"
+    print(text)
+    return text

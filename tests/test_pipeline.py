@@ -148,6 +148,7 @@ def test_prefect_flow_micro_and_recalibration(tmp_path):
         status = recalibrate(params_path="params.yaml", root=str(repo))
     assert metrics["fashion-c2i"]["sample"]["images"] == 8 and metrics["emoji-t2i"]["sample"]["images"] == 4
     assert metrics["fashion-c2i"]["dataset"]["train"] == 256
+    assert "| fashion-c2i |" in metrics["estimate"]  # GPU memory / time, logged first
     assert (repo / "reports/samples/emoji-t2i/grid.png").is_file()
     assert metrics["emoji-t2i"]["evaluate"]["samples"] == 8 and "class_consistency" in metrics["fashion-c2i"]["evaluate"]
     assert [r["cfg_scale"] for r in metrics["bench"]["rows"]] == [1.0, 2.0]
