@@ -35,7 +35,8 @@ def cmd_build_dataset(a):
     w = p.world(a.world)
     if w.dataset is None:
         raise ConfigError(f"world {a.world!r} has no `dataset` section: it is not a built-in world")
-    return build_dataset(w.dataset.name, w.dataset.image_size, p.build_dataset, a.out or layout(a.world)["dataset"])
+    return build_dataset(w.dataset.name, w.dataset.image_size, p.build_dataset, a.out or layout(a.world)["dataset"],
+                         w.dataset)
 
 
 def cmd_train_tokenizer(a):

@@ -28,8 +28,12 @@ class ConfigError(ValueError):
 
 @dataclass(config=STRICT)
 class DatasetParams:
-    name: str  # built-in dataset: fashion | emoji (lisa/data.py)
+    name: str  # built-in: fashion | emoji; local (real profile): imagenet | coco (lisa/data.py)
     image_size: int = 32
+    path: Optional[str] = None  # imagenet: an ImageFolder tree; coco: the image folder (val2017/)
+    captions: Optional[str] = None  # coco: captions_train2017.json
+    test_path: Optional[str] = None  # the held-out split from here (ImageNet val/, COCO val2017/) instead of a fraction
+    test_captions: Optional[str] = None  # coco: captions_val2017.json
 
 
 @dataclass(config=STRICT)

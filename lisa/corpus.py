@@ -185,13 +185,14 @@ def build_laion_coco(metadata: list[Path], images: Path, vq, vq_sha256: str, enc
                 codes.append(vq.encode(x.float() / 127.5 - 1).flatten(1).to(torch.int16))
         codes = torch.cat(codes)
         caps = [captions[i] for i in sel]
-        feats = encoder.encode(caps, cls_token_num).flatten(1).half()
+        feats = encoder.features(caps, cls_token_num).flatten(1).half()  # T5: the mask packed in (lisa.text)
         return table_of([str(meta["hash"][i]) for i in sel], caps, [-1] * len(sel), codes, feats)
 
     write_shards(out, len(rows), shard_size, make_shard, "build laion-coco")
     info = {"kind": "laion-coco", "metadata": [str(m) for m in metadata], "images": str(images),
             "filter": asdict(flt), "counts": counts, "tokenizer_sha256": vq_sha256, "image_size": size,
-            "caption_encoder": str(encoder.path), "cls_token_num": cls_token_num, "caption_dim": encoder.dim}
+            "caption_encoder": str(encoder.path), "cls_token_num": cls_token_num, "caption_dim": encoder.dim,
+            "caption_mask_packed": encoder.is_t5}
     return finish(out, len(rows), shard_size, info)
 
 

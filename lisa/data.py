@@ -8,6 +8,16 @@
   class = its category. The held-out split is by *base name*: skin-tone and man/woman/person variants of one
   glyph land on the same side, so no test glyph is seen in training.
 
+Local real datasets, for the `real` profile (nothing is downloaded; point `dataset.path` at your copy):
+
+* `imagenet`: an ImageFolder tree `<path>/<class>/<image>` (ImageNet: the 1000 wnid folders, whose sorted order is
+  the label order of LlamaGen's class-conditional models); caption = the folder name.
+* `coco`: MS-COCO images (`<path>`, e.g. val2017/) with their captions file (`captions`, captions_val2017.json):
+  the longest caption per image (the LANTERN / LlamaGen evaluation convention), one class.
+
+Both: centre crop to a square, resized to `image_size` (box-downsampled, then bicubic: LlamaGen's
+center_crop_arr), RGB; the held-out split is the images whose name hashes into `test_fraction`.
+
 Columns: image (PIL), label (ClassLabel), caption (str), style (source), group (the split key).
 """
 from __future__ import annotations
@@ -150,26 +160,141 @@ def emoji_split(split: str, image_size: int = 32, test_fraction: float = 0.1) ->
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def build(name: str, image_size: int = 32, test_fraction: float = 0.1):
-    """The DatasetDict(train, test) of a built-in dataset."""
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp"}
+
+
+def center_crop(img: Image.Image, size: int) -> Image.Image:
+    """LlamaGen's center_crop_arr: halve with a box filter while the short side >= 2 size, resize the short side to
+    `size` (bicubic), crop the centre square; RGB."""
+    img = img.convert("RGB")
+    while min(img.size) >= 2 * size:
+        img = img.resize(tuple(x // 2 for x in img.size), resample=Image.BOX)
+    scale = size / min(img.size)
+    img = img.resize(tuple(round(x * scale) for x in img.size), resample=Image.BICUBIC)
+    left, top = (img.size[0] - size) // 2, (img.size[1] - size) // 2
+    return img.crop((left, top, left + size, top + size))
+
+
+def _split_of(key: str, test_fraction: float) -> str:
+    return "test" if int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < test_fraction else "train"
+
+
+def _open(path: Path, size: int) -> Image.Image:
+    try:
+        with Image.open(path) as im:
+            return center_crop(im, size)
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: not a readable image ({e})") from None
+
+
+def imagenet_classes(root: str | Path) -> list[str]:
+    root = Path(root)
+    if not root.is_dir():
+        raise DataError(f"dataset.path {root} is not a folder (an ImageFolder tree: <path>/<class>/<image>)")
+    classes = sorted(d.name for d in root.iterdir() if d.is_dir())
+    if not classes:
+        raise DataError(f"{root}: no class folders (an ImageFolder tree: <path>/<class>/<image>)")
+    return classes
+
+
+def imagenet_split(split: str, root: str | Path, image_size: int, test_fraction: float,
+                   limit: Optional[int] = None) -> Iterator[dict]:
+    classes = imagenet_classes(root)
+    files = [[f for f in sorted(Path(root, c).iterdir())
+              if f.suffix.lower() in IMAGE_SUFFIXES and _split_of(f"{c}/{f.name}", test_fraction) == split]
+             for c in classes]
+    n = 0
+    for rank in range(max((len(f) for f in files), default=0)):  # classes in turn: any prefix is balanced
+        for label, c in enumerate(classes):
+            if rank < len(files[label]):
+                if limit is not None and n >= limit:
+                    return
+                n += 1
+                f = files[label][rank]
+                yield {"image": _open(f, image_size), "label": label, "caption": c, "style": "imagenet",
+                       "group": f"{c}/{f.name}"}
+
+
+def coco_split(split: str, root: str | Path, captions: str | Path, image_size: int, test_fraction: float,
+               limit: Optional[int] = None) -> Iterator[dict]:
+    import json
+
+    root = Path(root)
+    if not root.is_dir():
+        raise DataError(f"dataset.path {root} is not a folder of MS-COCO images (e.g. val2017/)")
+    try:
+        info = json.loads(Path(captions).read_text())
+        files = {im["id"]: im["file_name"] for im in info["images"]}
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise DataError(f"dataset.captions {captions}: not a readable MS-COCO captions file ({e})") from None
+    longest = dict(zip(sorted(files), [""] * len(files)))
+    for a in info.get("annotations", []):
+        cap = " ".join(str(a["caption"]).split())
+        if a["image_id"] in longest and len(cap) > len(longest[a["image_id"]]):
+            longest[a["image_id"]] = cap
+    n = 0
+    for i in sorted(files):
+        if not longest[i] or _split_of(files[i], test_fraction) != split:
+            continue
+        if limit is not None and n >= limit:
+            return
+        f = root / files[i]
+        if not f.is_file():
+            raise DataError(f"{f}: listed in {captions} but missing from dataset.path {root}")
+        n += 1
+        yield {"image": _open(f, image_size), "label": 0, "caption": longest[i], "style": "coco", "group": files[i]}
+
+
+def build(name: str, image_size: int = 32, test_fraction: float = 0.1, path: Optional[str] = None,
+          captions: Optional[str] = None, limits: tuple[Optional[int], Optional[int]] = (None, None),
+          test_path: Optional[str] = None, test_captions: Optional[str] = None):
+    """The DatasetDict(train, test) of a built-in or local dataset; `limits` caps (train, test) while reading.
+    Local datasets with a `test_path` (ImageNet val/, COCO val2017/) take their held-out split from it whole and
+    their training split from `path` whole; otherwise both come from `path` by hashed name (test_fraction)."""
     from datasets import ClassLabel, Dataset, DatasetDict, Features, Image as HFImage, Value
 
+    if name in ("imagenet", "coco") and not path:
+        raise DataError(f"dataset {name!r} reads local files: set dataset.path (and dataset.captions for coco)")
     if name == "fashion":
         classes, gen = FASHION_CLASSES, lambda s: fashion_split(s, image_size=image_size)
     elif name == "emoji":
         classes, gen = EMOJI_CATEGORIES, lambda s: emoji_split(s, image_size, test_fraction)
+    elif name in ("imagenet", "coco"):
+        def source(s):  # (folder, captions, split, fraction) of split s
+            if test_path:
+                return (test_path, test_captions or captions) if s == "test" else (path, captions), "train", 0.0
+            return (path, captions), s, test_fraction
+
+        if name == "imagenet":
+            classes = imagenet_classes(path)
+            if test_path and imagenet_classes(test_path) != classes:
+                raise DataError(f"dataset.test_path {test_path}: its class folders differ from dataset.path {path}")
+
+            def gen(s):
+                (root, _), split, frac = source(s)
+                return imagenet_split(split, root, image_size, frac, limits[s == "test"])
+        else:
+            classes = ["coco"]
+
+            def gen(s):
+                (root, caps), split, frac = source(s)
+                if not caps:
+                    raise DataError("dataset 'coco' needs dataset.captions (and test_captions with a test_path)")
+                return coco_split(split, root, caps, image_size, frac, limits[s == "test"])
     else:
-        raise DataError(f"unknown built-in dataset {name!r}; known: ['fashion', 'emoji']")
+        raise DataError(f"unknown dataset {name!r}; known: ['coco', 'emoji', 'fashion', 'imagenet']")
     features = Features({"image": HFImage(), "label": ClassLabel(names=classes), "caption": Value("string"),
                          "style": Value("string"), "group": Value("string")})
     return DatasetDict({s: Dataset.from_list(list(gen(s)), features=features) for s in ("train", "test")})
 
 
-def class_names(name: str) -> list[str]:
-    """The class names of a built-in dataset."""
-    names = {"fashion": FASHION_CLASSES, "emoji": EMOJI_CATEGORIES}
+def class_names(name: str, path: Optional[str] = None) -> list[str]:
+    """The class names of a dataset (imagenet: its class folders under `path`)."""
+    names = {"fashion": FASHION_CLASSES, "emoji": EMOJI_CATEGORIES, "coco": ["coco"]}
+    if name == "imagenet":
+        return imagenet_classes(path)
     if name not in names:
-        raise DataError(f"unknown built-in dataset {name!r}; known: {sorted(names)}")
+        raise DataError(f"unknown dataset {name!r}; known: {sorted(names) + ['imagenet']}")
     return names[name]
 
 

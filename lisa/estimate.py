@@ -105,7 +105,8 @@ def estimate_markdown(params, gpu: str = "H200", tau: float = 2.5) -> str:
 
 
 def missing_checkpoints(params) -> list[str]:
-    """The checkpoint / encoder paths the worlds name that do not exist (what to download, see README)."""
+    """The checkpoints, caption encoders, datasets and prompt files the params name that do not exist (what to
+    download, see README)."""
     from pathlib import Path
 
     out = []
@@ -117,4 +118,10 @@ def missing_checkpoints(params) -> list[str]:
         enc = w.caption_encoder
         if enc not in (None, "minilm") and not Path(enc).exists():
             out.append(f"worlds.{name}.caption_encoder: {enc}")
+        for what in ("path", "captions", "test_path", "test_captions"):
+            path = getattr(w.dataset, what) if w.dataset else None
+            if path and not Path(path).exists():
+                out.append(f"worlds.{name}.dataset.{what}: {path}")
+    if params.sample.prompts_file and not Path(params.sample.prompts_file).exists():
+        out.append(f"sample.prompts_file: {params.sample.prompts_file}")
     return out

@@ -37,7 +37,7 @@ from lisa.models.vq import VQModel
 from lisa.premise import premise_stats
 from lisa.sampling import SamplingConfig
 from lisa.text import CaptionEncoder
-from lisa.train import train_gpt, train_vq
+from lisa.train import evaluate_vq, heldout_nll, train_gpt, train_vq
 
 TARGET_FILE = "model.safetensors"
 CALIBRATION_FILE = "calibration.safetensors"
@@ -142,9 +142,16 @@ def init_target(world: WorldParams, p: InitTargetParams, out_dir: str | Path) ->
                                   f"{diff}")
     elif world.target_checkpoint:
         vq = world.vq_config()
-        overrides = {k: v for k, v in world.target.items() if k != "preset"}
+        # the vocabulary comes from the file and the grid from the image size; checked against the world below
+        overrides = {k: v for k, v in world.target.items() if k not in ("preset", "vocab_size", "block_size")}
         model = import_llamagen_gpt(world.target_checkpoint, world.target.get("preset"), vq.image_size,
                                     vq.downsample, **overrides)
+        want = world.gpt_config()
+        diff = {k: (getattr(want, k), getattr(model.config, k)) for k in ("vocab_size", "block_size")
+                if getattr(want, k) != getattr(model.config, k)}
+        if diff:
+            raise CheckpointError(f"{world.target_checkpoint}: differs from worlds.<world>.target (params, checkpoint "
+                                  f"at {vq.image_size} px / downsample {vq.downsample}): {diff}")
     else:
         model = Transformer(world.gpt_config())
     return _save_initial(model, Path(out_dir) / TARGET_FILE, "gpt", p.seed, world.target_checkpoint)
@@ -161,9 +168,11 @@ def init_tokenizer(world: WorldParams, p: InitTokenizerParams, out_dir: str | Pa
     return _save_initial(model, Path(out_dir) / TOKENIZER_FILE, "vq", p.seed, world.tokenizer_checkpoint)
 
 
-def build_dataset(name: str, image_size: int, p: BuildDatasetParams, out_dir: str | Path) -> dict:
-    """A built-in dataset (lisa/data.py) as a HuggingFace DatasetDict saved to out_dir."""
-    ds = data.build(name, image_size, p.test_fraction)
+def build_dataset(name: str, image_size: int, p: BuildDatasetParams, out_dir: str | Path, source=None) -> dict:
+    """A built-in or local dataset (lisa/data.py) as a HuggingFace DatasetDict saved to out_dir; `source`: the
+    world's DatasetParams (path, captions, test_path, test_captions of a local dataset)."""
+    local = {k: getattr(source, k) for k in ("path", "captions", "test_path", "test_captions")} if source else {}
+    ds = data.build(name, image_size, p.test_fraction, limits=(p.max_train, p.max_test), **local)
     for split, limit in (("train", p.max_train), ("test", p.max_test)):
         n = len(ds[split]) if limit is None else min(limit, len(ds[split]))
         # a fingerprint from the recipe, not a random one: the saved folder (and its DVC hash) is reproducible
@@ -189,8 +198,16 @@ def _load_images(dataset_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor, o
 
 def train_tokenizer(dataset_dir: str | Path, world: WorldParams, p: TrainTokenizerParams, out_dir: str | Path,
                     report: str | Path, work_dir: str | Path) -> dict:
-    """Train the world's VQ tokenizer on its dataset; resumable (work_dir/resume.pt). Held-out PSNR and usage."""
+    """Train the world's VQ tokenizer on its dataset; resumable (work_dir/resume.pt). Held-out PSNR and usage.
+    A world with a `tokenizer_checkpoint` (the real profile) imports it instead (init_tokenizer), and reports the
+    imported tokenizer's held-out reconstruction."""
     train_u8, test_u8, _ = _load_images(dataset_dir)
+    if world.tokenizer_checkpoint:
+        info = init_tokenizer(world, InitTokenizerParams(seed=p.seed), out_dir)
+        vq, _ = load_tokenizer(Path(out_dir) / TOKENIZER_FILE)
+        metrics = {"imported": world.tokenizer_checkpoint, **evaluate_vq(vq, test_u8, p.eval_batch_size)}
+        write_json(report, metrics)
+        return metrics | {"sha256": info["sha256"]}
     torch.manual_seed(p.seed)
     model = VQModel(world.vq_config())
     metrics = train_vq(model, train_u8, test_u8, p, work_dir)
@@ -221,7 +238,8 @@ def encode(dataset_dir: str | Path, tokenizer_path: str | Path, world: WorldPara
         if encoder.dim != cfg.caption_dim:
             raise ValueError(f"caption encoder {encoder.path} gives {encoder.dim}-d features, the target's "
                              f"caption_dim is {cfg.caption_dim}")
-        tensors["caption_feats"] = encoder.encode(captions, cfg.cls_token_num).to(torch.float16)  # (U, C, D)
+        # (U, C, D), or (U, C, D + 1) with the mask packed in for T5 (lisa.text.pack_caption)
+        tensors["caption_feats"] = encoder.features(captions, cfg.cls_token_num).to(torch.float16)
     out = Path(out_dir) / CODES_FILE
     atomic_write(out, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, tmp))
     write_json(out.with_suffix(".json"), {"captions": captions, "tokenizer_sha256": vq_meta["sha256"],
@@ -243,9 +261,18 @@ def load_codes(codes_path: str | Path, model_type: str) -> dict[str, torch.Tenso
 
 def train_target(codes_path: str | Path, world: WorldParams, p: TrainTargetParams, out_dir: str | Path,
                  report: str | Path, work_dir: str | Path) -> dict:
-    """Train the world's target GPT on its VQ codes; resumable (work_dir/resume.pt). Held-out NLL per token."""
+    """Train the world's target GPT on its VQ codes; resumable (work_dir/resume.pt). Held-out NLL per token.
+    A world with a `target_checkpoint` (the real profile) imports it instead (init_target), and reports the
+    imported target's held-out NLL on these codes."""
     cfg = world.gpt_config()
     d = load_codes(codes_path, cfg.model_type)
+    if world.target_checkpoint:
+        info = init_target(world, InitTargetParams(seed=p.seed), out_dir)
+        model, _ = load_target(Path(out_dir) / TARGET_FILE)
+        metrics = {"imported": world.target_checkpoint,
+                   "heldout_nll_per_token": heldout_nll(model, d["test_tokens"], d["test_cond"], p.eval_batch_size)}
+        write_json(report, metrics)
+        return metrics | {"sha256": info["sha256"]}
     torch.manual_seed(p.seed)
     model = Transformer(cfg)
     metrics = train_gpt(model, d["train_tokens"], d["train_cond"], d["test_tokens"], d["test_cond"], p, work_dir)
@@ -264,7 +291,6 @@ def sample(target_path: str | Path, tokenizer_path: str | Path, world: WorldPara
     model, target_meta = load_target(target_path)
     vq, vq_meta = load_tokenizer(tokenizer_path)
     cfg = model.config
-    cond_mask = None
     if cfg.vocab_size != vq.config.codebook_size:
         raise ValueError(f"{target_path} has vocab_size {cfg.vocab_size} but {tokenizer_path} has "
                          f"codebook_size {vq.config.codebook_size}")
@@ -279,12 +305,8 @@ def sample(target_path: str | Path, tokenizer_path: str | Path, world: WorldPara
         if not rows:
             raise ValueError(f"{target_path} is text-conditional: sample.prompts (or prompts_file) must give captions")
         encoder = CaptionEncoder(None if world.caption_encoder in (None, "minilm") else world.caption_encoder)
-        if encoder.is_t5:  # LlamaGen-T2I: 120 left-padded T5 positions and their mask
-            feats, mask = encoder.encode_t5(rows, cfg.cls_token_num)
-            cond_mask = mask.repeat_interleave(p.per_class, dim=0)
-        else:
-            feats = encoder.encode(rows, cfg.cls_token_num)
-        cond = feats.repeat_interleave(p.per_class, dim=0)  # (N, C, D)
+        # (N, C, D); T5 (LlamaGen-T2I): 120 left-padded positions with their mask packed in
+        cond = encoder.features(rows, cfg.cls_token_num).repeat_interleave(p.per_class, dim=0)
     sampling = world_sampling(world, p)
     gen = torch.Generator().manual_seed(p.seed)
     tokens, images, decode_s = [], [], 0.0
@@ -293,9 +315,8 @@ def sample(target_path: str | Path, tokenizer_path: str | Path, world: WorldPara
     decode = _decoder(model, vq, target_meta, p, drafter_path, calib=cond[: p.batch_size], auto=auto,
                       calibration_path=calibration_path)
     taus = []
-    masks = cond_mask.split(p.batch_size) if cond_mask is not None else [None] * len(cond.split(p.batch_size))
-    for batch, mask in tqdm(list(zip(cond.split(p.batch_size), masks)), desc=f"sample ({p.method})", unit="batch"):
-        tok, stats = decode(batch, sampling, gen, cond_mask=mask)
+    for batch in tqdm(cond.split(p.batch_size), desc=f"sample ({p.method})", unit="batch"):
+        tok, stats = decode(batch, sampling, gen)
         taus.append(stats.get("tau", 1.0))
         t1 = time.perf_counter()
         with torch.inference_mode():
@@ -304,7 +325,7 @@ def sample(target_path: str | Path, tokenizer_path: str | Path, world: WorldPara
         tokens.append(tok)
     total_s = time.perf_counter() - t0
     out = Path(out_dir)
-    names = data.class_names(world.dataset.name) if cfg.model_type == "c2i" and world.dataset else None
+    names = data.class_names(world.dataset.name, world.dataset.path) if cfg.model_type == "c2i" and world.dataset else None
     labels = [f"{r} {names[int(r)]}" for r in rows] if names else rows
     save_grid(torch.cat(images), out / "grid.png", nrow=p.per_class, labels=labels)
     tokens = torch.cat(tokens)
@@ -445,16 +466,16 @@ def bench_spec(target_path: str | Path, tokenizer_path: str | Path, drafter_path
     geometry = load_geometry(model, target_meta, vq, p.methods, p.neighbours, calibration_path)
     text_s = None
     if cfg.model_type == "c2i":
-        names = data.class_names(world.dataset.name) if world.dataset else None
+        names = data.class_names(world.dataset.name, world.dataset.path) if world.dataset else None
         labels = [f"{c} {names[c]}" if names else str(c) for c in sample_p.classes for _ in range(p.per_class)]
         cond = torch.tensor([c for c in sample_p.classes for _ in range(p.per_class)])
     else:
         if not sample_p.prompts:
             raise ValueError(f"{target_path} is text-conditional: sample.prompts must list captions")
         encoder = CaptionEncoder(None if world.caption_encoder in (None, "minilm") else world.caption_encoder)
-        encoder.encode(sample_p.prompts[:1], cfg.cls_token_num)  # warm-up
+        encoder.features(sample_p.prompts[:1], cfg.cls_token_num)  # warm-up
         t0 = time.perf_counter()
-        feats = encoder.encode(list(sample_p.prompts), cfg.cls_token_num)
+        feats = encoder.features(list(sample_p.prompts), cfg.cls_token_num)
         text_s = (time.perf_counter() - t0) / len(sample_p.prompts)
         labels = [q for q in sample_p.prompts for _ in range(p.per_class)]
         cond = feats.repeat_interleave(p.per_class, dim=0)
@@ -607,7 +628,7 @@ def _save_quality_grid(images: torch.Tensor, labels: torch.Tensor, captions: lis
     """c2i: one row per class, its first samples; t2i: one row per held-out caption, the held-out image (through
     the tokenizer) first, then the samples made for that caption."""
     if cfg.model_type == "c2i":
-        names = data.class_names(world.dataset.name) if world.dataset else None
+        names = data.class_names(world.dataset.name, world.dataset.path) if world.dataset else None
         nrow = max(1, min(per_row, len(images) // cfg.num_classes))
         pick = {c: torch.nonzero(labels == c).flatten()[:nrow] for c in range(min(rows, cfg.num_classes))}
         pick = {c: i for c, i in pick.items() if len(i) == nrow}
@@ -855,7 +876,7 @@ def ablate_lid(codes_path: str | Path, target_path: str | Path, tokenizer_path: 
         cond = torch.tensor([c for c in sample_p.classes for _ in range(p.per_class)])
     else:
         encoder = CaptionEncoder(None if world.caption_encoder in (None, "minilm") else world.caption_encoder)
-        cond = encoder.encode(list(sample_p.prompts), target.config.cls_token_num).repeat_interleave(p.per_class, 0)
+        cond = encoder.features(list(sample_p.prompts), target.config.cls_token_num).repeat_interleave(p.per_class, 0)
     sampling = SamplingConfig(p.temperature, p.top_k, p.top_p, p.cfg_scale)
     spec = SpecConfig("exact", p.tree, p.depth, p.top_k_draft, p.total_tokens)
     results = {}

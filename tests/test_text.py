@@ -4,20 +4,12 @@ import pytest
 import torch
 
 from lisa.text import CaptionEncoder, minilm_path
+from tests.helpers import make_tiny_t5
 
 
 @pytest.fixture(scope="module")
 def tiny_t5(tmp_path_factory):
-    from transformers import AutoTokenizer, T5Config, T5EncoderModel
-
-    d = tmp_path_factory.mktemp("t5")
-    tok = AutoTokenizer.from_pretrained(str(minilm_path()), local_files_only=True)  # any local tokenizer will do
-    torch.manual_seed(0)
-    cfg = T5Config(vocab_size=tok.vocab_size, d_model=16, d_kv=4, num_heads=4, num_layers=1, d_ff=32,
-                   feed_forward_proj="gated-gelu", is_encoder_decoder=True)
-    T5EncoderModel(cfg).save_pretrained(str(d))
-    tok.save_pretrained(str(d))
-    return d
+    return make_tiny_t5(tmp_path_factory.mktemp("t5"))
 
 
 def test_t5_prefix_is_left_padded_with_its_mask(tiny_t5):

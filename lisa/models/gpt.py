@@ -429,6 +429,14 @@ class Transformer(nn.Module):
     def cache_length(self) -> int:
         return self.causal.shape[0]
 
+    def split_cond(self, cond: Tensor, cond_mask: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
+        """A t2i condition packed with its mask ((B, C, caption_dim + 1), lisa.text.pack_caption) -> (features,
+        mask); anything else passes through with the mask given."""
+        if self.config.model_type == "t2i" and cond.dim() == 3 and cond.shape[-1] == self.config.caption_dim + 1:
+            feats, packed = cond[..., :-1], cond[..., -1] > 0.5
+            return feats, packed if cond_mask is None else cond_mask.bool() & packed
+        return cond, cond_mask
+
     def embed_cond(self, cond: Tensor, drop: Optional[Tensor] = None) -> Tensor:
         """Condition prefix (B, C, D): class ids (B,) for c2i, caption features (B, C, caption_dim) for t2i.
         `drop` (B,) bool replaces a row's condition by the null class / unconditional caption (CFG)."""
@@ -501,6 +509,7 @@ class Transformer(nn.Module):
         False at padded prefix positions (no query attends them); lm rows dropped by `drop` mask their whole
         prompt (the unconditional row)."""
         C = self.config.cls_token_num
+        cond, cond_mask = self.split_cond(cond, cond_mask)
         x = torch.cat([self.embed_cond(cond, drop), self.embed_tokens(tokens[:, :-1])], dim=1)  # (B, C+T-1, D)
         mask = None
         if cond_mask is not None or (drop is not None and self.config.model_type == "lm"):
