@@ -100,7 +100,8 @@ def generate(model: Transformer, cond: Tensor, sampling: SamplingConfig, generat
     decode_one_token, if wanted. forced: (T,) grammar tokens (see force_tokens), -1 = sampled.
     Returns (tokens, {"forwards": target forward passes}).
     """
-    cond, cond_mask = model.split_cond(cond, cond_mask)  # a packed T5 condition carries its mask
+    cond, cond_mask = model.split_cond(cond, cond_mask)  # a packed condition carries its mask
+    forced = forced if forced is not None else getattr(model, "grammar", None)  # lm: the image grammar
     cfg = model.config
     T = num_tokens or cfg.block_size
     if sampling.use_cfg and not cfg.has_null_cond:
@@ -174,7 +175,8 @@ def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: S
     variation between the law each token was emitted from and the target's distribution there (lisa.verify.walk;
     0 at the prefill token).
     """
-    cond, cond_mask = target.split_cond(cond, cond_mask)  # a packed T5 condition carries its mask
+    cond, cond_mask = target.split_cond(cond, cond_mask)  # a packed condition carries its mask
+    forced = forced if forced is not None else getattr(target, "grammar", None)  # lm: the image grammar
     cfg = target.config
     T = num_tokens or cfg.block_size
     if sampling.use_cfg and not cfg.has_null_cond:
@@ -394,7 +396,8 @@ def jacobi_generate(target: Transformer, cond: Tensor, sampling: SamplingConfig,
     first rejection are re-drawn from this iteration's distributions (Jacobi), and the window is refilled.
     forced: (T,) grammar tokens, -1 = free (force_tokens). measure: stats["tv"] as in speculative_generate.
     Returns (tokens (B, T), {"forwards", "rounds", "tau", "accept_lengths"})."""
-    cond, cond_mask = target.split_cond(cond, cond_mask)  # a packed T5 condition carries its mask
+    cond, cond_mask = target.split_cond(cond, cond_mask)  # a packed condition carries its mask
+    forced = forced if forced is not None else getattr(target, "grammar", None)  # lm: the image grammar
     cfg = target.config
     T = num_tokens or cfg.block_size
     use_cfg, dev = sampling.use_cfg, cond.device

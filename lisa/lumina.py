@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from lisa.checkpoint import CheckpointError
-from lisa.models.gpt import GPTConfig, Transformer, rope_1d_table, rotate_half_permutation
+from lisa.models.gpt import GPTConfig, Transformer, rope_1d_table, rotate_half_permutation, square_image_grammar
 
 PROMPT_TEMPLATE = "Generate an image of {width}x{height} according to the following prompt:\n{caption}"
 
@@ -254,6 +254,9 @@ def import_chameleon(path: str | Path, image_size: int = 768, downsample: int = 
     model.load_state_dict(sd, strict=True, assign=True)
     model.rope = rope_1d_table(cfg.rope_positions, cfg.head_dim, cfg.rope_base)
     model.causal = torch.ones(0, 0, dtype=torch.bool)
+    model.grammar = square_image_grammar(cfg.free_vocab, cfg.block_size)
+    if not torch.equal(model.grammar, grammar.forced(grid, grid)):
+        raise CheckpointError(f"{path}: the grammar's layout ({grammar}) differs from the model's")
     return model.eval()
 
 
@@ -274,6 +277,60 @@ def chameleon_codebook(path: str | Path, vqgan: Optional[str | Path] = None) -> 
     return sd["quantize.embedding.weight"].float()
 
 
+def taming_to_ours(sd: dict[str, Tensor], n_levels: int) -> dict[str, Tensor]:
+    """A taming-transformers VQGAN state dict (Chameleon's vqgan.ckpt; transformers' `model.vqmodel.*` has the
+    same encoder names) -> lisa.models.vq key names. Encoder level i = down.i; decoder conv_blocks[j] = up.(L-1-j)
+    (taming lists the up levels by resolution, we in the order they run); mid.block_1 / attn_1 / block_2 = mid.0
+    / 1 / 2; resnet `block` = `res`. Keys of the training loss (discriminator, LPIPS) are dropped."""
+    import re
+
+    out = {}
+    for k, v in sd.items():
+        if k.startswith("loss."):
+            continue
+        k2 = re.sub(r"^encoder\.down\.(\d+)\.block\.", r"encoder.conv_blocks.\1.res.", k)
+        k2 = re.sub(r"^encoder\.down\.(\d+)\.(downsample|attn)\.", r"encoder.conv_blocks.\1.\2.", k2)
+        m = re.match(r"^decoder\.up\.(\d+)\.(block|attn|upsample)\.(.*)$", k2)
+        if m:
+            j = n_levels - 1 - int(m.group(1))
+            k2 = f"decoder.conv_blocks.{j}.{'res' if m.group(2) == 'block' else m.group(2)}.{m.group(3)}"
+        k2 = re.sub(r"^(encoder|decoder)\.mid\.block_1\.", r"\1.mid.0.", k2)
+        k2 = re.sub(r"^(encoder|decoder)\.mid\.attn_1\.", r"\1.mid.1.", k2)
+        k2 = re.sub(r"^(encoder|decoder)\.mid\.block_2\.", r"\1.mid.2.", k2)
+        out[k2] = v
+    return out
+
+
+def import_chameleon_vq(path: str | Path, image_size: int = 768):
+    """Chameleon's VQGAN (Lumina-mGPT's image tokenizer: `vqgan.ckpt` of Meta's Chameleon release, read with
+    weights_only=True) -> our VQModel, codes (B, h, w) <-> images. Sizes (codebook, channels, levels, blocks) are
+    read from the tensors; a checkpoint without the decoder (transformers' `model.vqmodel` has the encoder only)
+    is an error that says so."""
+    from lisa.checkpoint import load_into, read_state_dict
+    from lisa.models.vq import VQModel, vq_config
+
+    path = Path(path)
+    if path.is_dir():
+        shards = _Shards(weight_files(path))
+        sd = {k[len("model.vqmodel."):]: shards.get(k) for k in shards.files if k.startswith("model.vqmodel.")}
+    else:
+        sd = read_state_dict(path)
+    if "quantize.embedding.weight" not in sd:
+        raise CheckpointError(f"{path}: key 'quantize.embedding.weight' missing: not a Chameleon VQGAN checkpoint")
+    if not any(k.startswith("decoder.") for k in sd):
+        raise CheckpointError(f"{path}: the VQGAN has no decoder (transformers keeps only the encoder): pass "
+                              f"Chameleon's tokenizer/vqgan.ckpt")
+    levels = sorted({int(k.split(".")[2]) for k in sd if k.startswith("encoder.down.")})
+    ch = sd["encoder.conv_in.weight"].shape[0]
+    mult = [sd[f"encoder.down.{i}.block.0.conv2.weight"].shape[0] // ch for i in levels]
+    n_res = len({k.split(".")[4] for k in sd if k.startswith("encoder.down.0.block.")})
+    K, d = sd["quantize.embedding.weight"].shape
+    cfg = vq_config(codebook_size=K, codebook_embed_dim=d, codebook_l2_norm=False, encoder_ch_mult=mult,
+                    decoder_ch_mult=mult, z_channels=sd["encoder.conv_out.weight"].shape[0], ch=ch,
+                    num_res_blocks=n_res, level_attn=False, image_size=image_size)
+    return load_into(VQModel(cfg), taming_to_ours(sd, len(mult)), path).eval()
+
+
 def geometry_codebook(codebook: Tensor, vocab_size: int) -> Tensor:
     """The codebook extended to our whole vocabulary: one extra orthogonal direction per grammar token, so no
     grammar token is any code's neighbour by cosine unless the codebook itself is degenerate (and grammar tokens
@@ -292,7 +349,8 @@ def geometry_codebook(codebook: Tensor, vocab_size: int) -> Tensor:
 def encode_prompts(path: str | Path, captions: list[str], prompt_len: int, image_size: int,
                    template: str = PROMPT_TEMPLATE) -> tuple[Tensor, Tensor]:
     """Lumina-mGPT prompts -> (ids (B, prompt_len), mask (B, prompt_len) bool), LEFT padded (the prompt ends right
-    before the image), with the tokenizer found in the checkpoint directory (tokenizer.json or the usual files)."""
+    before the image), with the tokenizer found in the checkpoint directory (tokenizer.json or the usual files).
+    `torch.where(mask, ids, -1)` is the packed form every decode loop and stage takes (Transformer.split_cond)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 

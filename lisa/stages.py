@@ -123,6 +123,25 @@ def world_sampling(world: WorldParams, p) -> SamplingConfig:
     return SamplingConfig(float(v["temperature"]), int(v["top_k"]), float(v["top_p"]), float(v["cfg_scale"]))
 
 
+def text_conditions(world: WorldParams, cfg, captions: list[str]) -> torch.Tensor:
+    """Conditions of a text-conditional target for `captions`: caption-encoder features (T5: packed with their
+    mask) for t2i; for lm targets (Lumina-mGPT) the prompt ids from the checkpoint's own tokenizer, -1 at padding."""
+    if cfg.model_type == "lm":
+        from lisa.lumina import encode_prompts
+
+        if not world.target_checkpoint:
+            raise ValueError("an lm (Lumina-mGPT) world needs target_checkpoint: its tokenizer encodes the prompts")
+        ids, mask = encode_prompts(world.target_checkpoint, captions, cfg.cls_token_num, 16 * lm_grid(cfg))
+        return torch.where(mask, ids, -1)
+    encoder = CaptionEncoder(None if world.caption_encoder in (None, "minilm") else world.caption_encoder)
+    return encoder.features(captions, cfg.cls_token_num)
+
+
+def lm_grid(cfg) -> int:
+    """The side g of an lm target's square image: block_size = 4 + g (g + 1)."""
+    return next(g for g in range(1, 257) if 4 + g * (g + 1) >= cfg.block_size)
+
+
 def init_target(world: WorldParams, p: InitTargetParams, out_dir: str | Path) -> dict:
     """Target artifact for a world: imported from `world.target_checkpoint` if set (an official LlamaGen .pt, or a
     Lumina-mGPT / Chameleon transformers directory), else seeded random init."""
@@ -131,7 +150,7 @@ def init_target(world: WorldParams, p: InitTargetParams, out_dir: str | Path) ->
     torch.manual_seed(p.seed)
     if world.target_checkpoint and is_chameleon_dir(world.target_checkpoint):
         want = world.gpt_config()
-        grid = next(g for g in range(1, 129) if 4 + g * (g + 1) >= want.block_size)
+        grid = lm_grid(want)
         grammar = LuminaGrammar(codebook_size=want.free_vocab, max_grid=want.vocab_size - want.free_vocab - 4)
         model = import_chameleon(world.target_checkpoint, image_size=16 * grid, prompt_len=want.cls_token_num,
                                  grammar=grammar)
@@ -160,7 +179,11 @@ def init_target(world: WorldParams, p: InitTargetParams, out_dir: str | Path) ->
 def init_tokenizer(world: WorldParams, p: InitTokenizerParams, out_dir: str | Path) -> dict:
     """Tokenizer artifact for a world: imported from `world.tokenizer_checkpoint` if set, else random init."""
     torch.manual_seed(p.seed)
-    if world.tokenizer_checkpoint:
+    if world.tokenizer_checkpoint and world.target.get("arch") == "chameleon":  # Lumina-mGPT: Chameleon's VQGAN
+        from lisa.lumina import import_chameleon_vq
+
+        model = import_chameleon_vq(world.tokenizer_checkpoint, 16 * lm_grid(world.gpt_config()))
+    elif world.tokenizer_checkpoint:
         overrides = {k: v for k, v in world.tokenizer.items() if k != "preset"}
         model = import_llamagen_vq(world.tokenizer_checkpoint, world.tokenizer.get("preset", "VQ-16"), **overrides)
     else:
@@ -291,8 +314,8 @@ def sample(target_path: str | Path, tokenizer_path: str | Path, world: WorldPara
     model, target_meta = load_target(target_path)
     vq, vq_meta = load_tokenizer(tokenizer_path)
     cfg = model.config
-    if cfg.vocab_size != vq.config.codebook_size:
-        raise ValueError(f"{target_path} has vocab_size {cfg.vocab_size} but {tokenizer_path} has "
+    if (cfg.free_vocab or cfg.vocab_size) != vq.config.codebook_size:
+        raise ValueError(f"{target_path} samples {cfg.free_vocab or cfg.vocab_size} codes but {tokenizer_path} has "
                          f"codebook_size {vq.config.codebook_size}")
     if cfg.model_type == "c2i":
         bad = [c for c in p.classes if not 0 <= c < cfg.num_classes]
@@ -304,9 +327,8 @@ def sample(target_path: str | Path, tokenizer_path: str | Path, world: WorldPara
         rows = data.coco_prompts(p.prompts_file, p.num_prompts) if p.prompts_file else list(p.prompts)
         if not rows:
             raise ValueError(f"{target_path} is text-conditional: sample.prompts (or prompts_file) must give captions")
-        encoder = CaptionEncoder(None if world.caption_encoder in (None, "minilm") else world.caption_encoder)
-        # (N, C, D); T5 (LlamaGen-T2I): 120 left-padded positions with their mask packed in
-        cond = encoder.features(rows, cfg.cls_token_num).repeat_interleave(p.per_class, dim=0)
+        # (N, C, D); T5 (LlamaGen-T2I): 120 left-padded positions with their mask packed in; lm: prompt ids
+        cond = text_conditions(world, cfg, rows).repeat_interleave(p.per_class, dim=0)
     sampling = world_sampling(world, p)
     gen = torch.Generator().manual_seed(p.seed)
     tokens, images, decode_s = [], [], 0.0
@@ -320,7 +342,7 @@ def sample(target_path: str | Path, tokenizer_path: str | Path, world: WorldPara
         taus.append(stats.get("tau", 1.0))
         t1 = time.perf_counter()
         with torch.inference_mode():
-            images.append(vq.decode(tok))
+            images.append(vq.decode(model.image_codes(tok)))
         decode_s += time.perf_counter() - t1
         tokens.append(tok)
     total_s = time.perf_counter() - t0
@@ -472,10 +494,9 @@ def bench_spec(target_path: str | Path, tokenizer_path: str | Path, drafter_path
     else:
         if not sample_p.prompts:
             raise ValueError(f"{target_path} is text-conditional: sample.prompts must list captions")
-        encoder = CaptionEncoder(None if world.caption_encoder in (None, "minilm") else world.caption_encoder)
-        encoder.features(sample_p.prompts[:1], cfg.cls_token_num)  # warm-up
+        text_conditions(world, cfg, sample_p.prompts[:1])  # warm-up
         t0 = time.perf_counter()
-        feats = encoder.features(list(sample_p.prompts), cfg.cls_token_num)
+        feats = text_conditions(world, cfg, list(sample_p.prompts))
         text_s = (time.perf_counter() - t0) / len(sample_p.prompts)
         labels = [q for q in sample_p.prompts for _ in range(p.per_class)]
         cond = feats.repeat_interleave(p.per_class, dim=0)
@@ -485,7 +506,7 @@ def bench_spec(target_path: str | Path, tokenizer_path: str | Path, drafter_path
 
     def vq_decode(tokens):
         with torch.inference_mode():
-            return vq.decode(tokens)
+            return vq.decode(model.image_codes(tokens))
 
     report = bench_speculative(model, {k: d for k, (d, _) in drafters.items()}, conditions, p.methods, sampling,
                                p.repeats, p.warmup, p.seed, geometry, p.auto, vq_decode)
@@ -875,8 +896,7 @@ def ablate_lid(codes_path: str | Path, target_path: str | Path, tokenizer_path: 
     if target.config.model_type == "c2i":
         cond = torch.tensor([c for c in sample_p.classes for _ in range(p.per_class)])
     else:
-        encoder = CaptionEncoder(None if world.caption_encoder in (None, "minilm") else world.caption_encoder)
-        cond = encoder.features(list(sample_p.prompts), target.config.cls_token_num).repeat_interleave(p.per_class, 0)
+        cond = text_conditions(world, target.config, list(sample_p.prompts)).repeat_interleave(p.per_class, 0)
     sampling = SamplingConfig(p.temperature, p.top_k, p.top_p, p.cfg_scale)
     spec = SpecConfig("exact", p.tree, p.depth, p.top_k_draft, p.total_tokens)
     results = {}

@@ -183,7 +183,98 @@ def test_init_target_imports_a_lumina_directory(lumina_dir, target, tmp_path):
     out, _ = generate(model, ids, SamplingConfig(top_k=4, cfg_scale=3.0), torch.Generator().manual_seed(0),
                       cond_mask=mask, forced=forced)
     assert (out[:, forced >= 0] == forced[forced >= 0]).all()
+    # the grammar is the model's own: decoding with no `forced`, and packed prompts (-1 = padding), gives it too
+    assert torch.equal(model.grammar, forced) and torch.equal(target.grammar, forced)
+    packed = torch.where(mask, ids, -1)
+    again, _ = generate(model, packed, SamplingConfig(top_k=4, cfg_scale=3.0), torch.Generator().manual_seed(0))
+    assert torch.equal(again, out)
+    assert model.image_codes(out).shape == (3, GRID * GRID) and (model.image_codes(out) < K).all()
     bad = WorldParams(target={**asdict(target.config), "n_layer": 5}, tokenizer={"preset": "VQ-micro"},
                       target_checkpoint=str(lumina_dir))
     with pytest.raises(CheckpointError, match="n_layer"):
         init_target(bad, InitTargetParams(), tmp_path / "bad")
+
+
+def test_chameleon_vqgan_import_matches_transformers_encoder(lumina_dir, tmp_path):
+    """Chameleon's VQGAN in the taming layout of vqgan.ckpt: the encoder half comes from the transformers
+    checkpoint (whose VQ-VAE is encoder-only), the decoder half is written in the same layout; the imported
+    tokenizer gives transformers' codes, decodes (B, h, w) codes to images, and a decoder-less directory is a clear
+    error."""
+    from transformers import ChameleonForConditionalGeneration
+
+    from lisa.lumina import import_chameleon_vq
+    from lisa.models.vq import VQModel
+
+    hf = ChameleonForConditionalGeneration.from_pretrained(str(lumina_dir), local_files_only=True).eval()
+    enc = {k: v for k, v in hf.model.vqmodel.state_dict().items()}
+    with pytest.raises(CheckpointError, match="has no decoder"):
+        import_chameleon_vq(lumina_dir, image_size=16)
+    # a decoder in taming's layout: our decoder's tensors under taming's names (up levels by resolution)
+    torch.manual_seed(1)
+    from lisa.models.vq import vq_config
+
+    cfg = vq_config(codebook_size=K, codebook_embed_dim=8, codebook_l2_norm=False, encoder_ch_mult=[1, 1],
+                    decoder_ch_mult=[1, 1], z_channels=32, ch=32, num_res_blocks=1, level_attn=False, image_size=16)
+    ours_dec = {k: v for k, v in VQModel(cfg).state_dict().items() if k.startswith("decoder.")}
+    taming = {}
+    for k, v in ours_dec.items():
+        parts = k.split(".")
+        if parts[1] == "conv_blocks":  # decoder.conv_blocks.j.{res,upsample}... -> decoder.up.(L-1-j).{block,upsample}
+            kind = "block" if parts[3] == "res" else parts[3]
+            k = ".".join(["decoder", "up", str(1 - int(parts[2])), kind] + parts[4:])
+        elif parts[1] == "mid":
+            k = ".".join(["decoder", "mid", ["block_1", "attn_1", "block_2"][int(parts[2])]] + parts[3:])
+        taming[k] = v
+    taming["loss.discriminator.main.0.weight"] = torch.zeros(1)  # training-loss keys are dropped
+    torch.save({"state_dict": enc | taming}, tmp_path / "vqgan.ckpt")
+    vq = import_chameleon_vq(tmp_path / "vqgan.ckpt", image_size=16)
+    assert vq.config.codebook_embed_dim == 8 and not vq.config.level_attn and not vq.config.codebook_l2_norm
+    x = torch.rand(2, 3, 16, 16) * 2 - 1
+    with torch.no_grad():
+        ref = hf.model.vqmodel.encode(x).image_tokens.view(2, 8, 8)
+        codes = vq.encode(x)
+        assert torch.equal(codes, ref)
+        torch.testing.assert_close(vq.decoder.conv_out.weight, ours_dec["decoder.conv_out.weight"])
+        assert vq.decode(codes).shape == (2, 3, 16, 16)
+
+
+def test_lumina_world_imports_and_samples_images(lumina_dir, target, tmp_path):
+    """A Lumina-mGPT world end to end through the stage functions: init-tokenizer imports Chameleon's VQGAN,
+    init-target the transformers directory, and `sample` encodes the prompts with the checkpoint's tokenizer,
+    decodes with the grammar in place, strips it and draws an image grid."""
+    from dataclasses import asdict
+
+    from lisa.config import InitTargetParams, InitTokenizerParams, SampleParams, WorldParams
+    from lisa.stages import init_target, init_tokenizer, sample
+
+    from transformers import ChameleonForConditionalGeneration
+
+    from lisa.models.vq import VQModel, vq_config
+
+    hf = ChameleonForConditionalGeneration.from_pretrained(str(lumina_dir), local_files_only=True)
+    cfg = vq_config(codebook_size=K, codebook_embed_dim=8, codebook_l2_norm=False, encoder_ch_mult=[1, 1],
+                    decoder_ch_mult=[1, 1], z_channels=32, ch=32, num_res_blocks=1, level_attn=False)
+    dec = {}
+    for k, v in VQModel(cfg).state_dict().items():  # a decoder in taming's layout (see the test above)
+        parts = k.split(".")
+        if parts[0] != "decoder":
+            continue
+        if parts[1] == "conv_blocks":
+            parts = ["decoder", "up", str(1 - int(parts[2])), "block" if parts[3] == "res" else parts[3]] + parts[4:]
+        elif parts[1] == "mid":
+            parts = ["decoder", "mid", ["block_1", "attn_1", "block_2"][int(parts[2])]] + parts[3:]
+        dec[".".join(parts)] = v
+    torch.save({"state_dict": hf.model.vqmodel.state_dict() | dec}, tmp_path / "vqgan.ckpt")
+    world = WorldParams(target=asdict(target.config), tokenizer={"preset": "VQ-16"},
+                        target_checkpoint=str(lumina_dir), tokenizer_checkpoint=str(tmp_path / "vqgan.ckpt"),
+                        sampling={"cfg_scale": 3.0, "top_k": 8})
+    init_tokenizer(world, InitTokenizerParams(), tmp_path / "tok")
+    init_target(world, InitTargetParams(), tmp_path / "target")
+    m = sample(tmp_path / "target" / "model.safetensors", tmp_path / "tok" / "tokenizer.safetensors", world,
+               SampleParams(prompts=["a red apple", "a cat on the mat"], per_class=2, batch_size=4),
+               tmp_path / "samples")
+    tokens = torch.load(tmp_path / "samples" / "tokens.pt", weights_only=True)["tokens"]
+    forced = GRAMMAR.forced(GRID, GRID)
+    assert m["images"] == 4 and tokens.shape == (4, len(forced))
+    assert (tokens[:, forced >= 0] == forced[forced >= 0]).all()
+    assert (tmp_path / "samples" / "grid.png").is_file()

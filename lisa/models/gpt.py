@@ -359,6 +359,18 @@ class CaptionEmbedder(nn.Module):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def square_image_grammar(codebook_size: int, block_size: int) -> Tensor:
+    """The forced-token vector (block_size,) of an lm target's square image (lisa.lumina.LuminaGrammar.forced, our
+    ids): SOI, size(g), size(g), g rows of g codes (-1: sampled) each followed by EOL, EOI; 4 + g (g + 1) tokens."""
+    K = codebook_size
+    g = next((g for g in range(1, 257) if 4 + g * (g + 1) >= block_size), 0)
+    if 4 + g * (g + 1) != block_size:
+        raise ValueError(f"GPTConfig.block_size={block_size} is not 4 + g (g + 1) for a square g x g image grammar")
+    rows = torch.full((g, g + 1), -1, dtype=torch.long)
+    rows[:, g] = K + 2
+    return torch.cat([torch.tensor([K, K + 3 + g, K + 3 + g]), rows.flatten(), torch.tensor([K + 1])])
+
+
 class PromptEmbedder(nn.Module):
     """lm: the prompt is text token ids (B, C) read through the model's own embedding table (no extra weights);
     the unconditional CFG row is the same prompt with every prefix position masked out (lisa.generate)."""
@@ -385,6 +397,8 @@ class Transformer(nn.Module):
             self.cls_embedding = PromptEmbedder(self.tok_embeddings)
             # our id -> the checkpoint's id (image codes, then grammar tokens); persistent: saved with the weights
             self.register_buffer("token_ids", torch.arange(cfg.vocab_size))
+            # the forced image grammar every decode loop applies (lisa.generate.force_tokens)
+            self.register_buffer("grammar", square_image_grammar(cfg.free_vocab, cfg.block_size), persistent=False)
         else:  # (registration order = init order: kept as it was, so seeded models stay the same)
             self.cls_embedding = LabelEmbedder(cfg) if cfg.model_type == "c2i" else CaptionEmbedder(cfg)
             self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
@@ -430,12 +444,23 @@ class Transformer(nn.Module):
         return self.causal.shape[0]
 
     def split_cond(self, cond: Tensor, cond_mask: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
-        """A t2i condition packed with its mask ((B, C, caption_dim + 1), lisa.text.pack_caption) -> (features,
-        mask); anything else passes through with the mask given."""
+        """A condition packed with its mask -> (condition, mask): t2i features (B, C, caption_dim + 1) whose last
+        channel is the mask (lisa.text.pack_caption); lm prompt ids (B, C) with -1 at padded positions
+        (lisa.lumina.encode_prompts). Anything else passes through with the mask given."""
+        packed = None
         if self.config.model_type == "t2i" and cond.dim() == 3 and cond.shape[-1] == self.config.caption_dim + 1:
-            feats, packed = cond[..., :-1], cond[..., -1] > 0.5
-            return feats, packed if cond_mask is None else cond_mask.bool() & packed
-        return cond, cond_mask
+            cond, packed = cond[..., :-1], cond[..., -1] > 0.5
+        elif self.config.model_type == "lm" and bool((cond < 0).any()):
+            cond, packed = cond.clamp(min=0), cond >= 0
+        if packed is None:
+            return cond, cond_mask
+        return cond, packed if cond_mask is None else cond_mask.bool() & packed
+
+    def image_codes(self, tokens: Tensor) -> Tensor:
+        """Generated tokens (B, T) -> the VQ codes (B, h*w) a tokenizer decodes (lm: the grammar tokens removed)."""
+        if self.config.model_type == "lm":
+            return tokens[:, self.grammar.to(tokens.device) < 0]
+        return tokens
 
     def embed_cond(self, cond: Tensor, drop: Optional[Tensor] = None) -> Tensor:
         """Condition prefix (B, C, D): class ids (B,) for c2i, caption features (B, C, caption_dim) for t2i.

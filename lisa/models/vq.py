@@ -1,5 +1,8 @@
 """LlamaGen-compatible VQ image tokenizer (VQ-16: conv encoder/decoder, an 8-d L2-normalised codebook).
 
+The same stack with `level_attn=False` and a 256-d unnormalised codebook is Chameleon's VQGAN (Lumina-mGPT's
+image tokenizer, taming-transformers layout): lisa.lumina.import_chameleon_vq maps its keys onto these.
+
 Architecture only, with LlamaGen's module and key names (`encoder.conv_blocks.{i}.res.{j}...`, `quantize.embedding`,
 `quant_conv`, `post_quant_conv`) so that `vq_ds16_{c2i,t2i}.pt` loads as is. Images are (B, 3, H, W) in [-1, 1];
 codes are (B, h, w) long with h = H / 2**(len(ch_mult) - 1). The code lookup is nearest neighbour on the
@@ -32,6 +35,7 @@ class VQConfig:
     in_channels: int = 3
     dropout_p: float = 0.0
     image_size: int = 256  # default input size; the model itself is fully convolutional
+    level_attn: bool = True  # attention in the lowest-resolution level (LlamaGen); Chameleon's VQGAN: mid block only
 
     def __post_init__(self):
         for name in ("encoder_ch_mult", "decoder_ch_mult"):
@@ -158,7 +162,7 @@ class Encoder(nn.Module):
         self.conv_blocks = nn.ModuleList()
         c = cfg.ch
         for i, m in enumerate(mult):
-            level, c = _level(c, cfg.ch * m, cfg.num_res_blocks, i == len(mult) - 1, cfg)
+            level, c = _level(c, cfg.ch * m, cfg.num_res_blocks, cfg.level_attn and i == len(mult) - 1, cfg)
             if i != len(mult) - 1:
                 level.downsample = Downsample(c)
             self.conv_blocks.append(level)
@@ -186,7 +190,8 @@ class Decoder(nn.Module):
         self.mid = _mid(c, cfg)
         self.conv_blocks = nn.ModuleList()
         for i in reversed(range(len(mult))):
-            level, c = _level(c, cfg.ch * mult[i], cfg.num_res_blocks + 1, i == len(mult) - 1, cfg)
+            level, c = _level(c, cfg.ch * mult[i], cfg.num_res_blocks + 1, cfg.level_attn and i == len(mult) - 1,
+                              cfg)
             if i != 0:
                 level.upsample = Upsample(c)
             self.conv_blocks.append(level)
