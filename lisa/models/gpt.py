@@ -532,7 +532,8 @@ class Transformer(nn.Module):
         (it sees the condition and tokens[:, :t]). Hidden taps are aligned the same way. logits=False: taps only,
         the target run up to its highest tapped block (labels come from a logit cache). cond_mask (B, C) bool:
         False at padded prefix positions (no query attends them); lm rows dropped by `drop` mask their whole
-        prompt (the unconditional row)."""
+        prompt (the unconditional row). lm targets: at the image grammar's positions the logits are the forced token
+        (0 there, -1e4 elsewhere), so losses and caches see what decoding emits (log-prob 0)."""
         C = self.config.cls_token_num
         cond, cond_mask = self.split_cond(cond, cond_mask)
         x = torch.cat([self.embed_cond(cond, drop), self.embed_tokens(tokens[:, :-1])], dim=1)  # (B, C+T-1, D)
@@ -547,7 +548,12 @@ class Transformer(nn.Module):
             causal = torch.tril(torch.ones(S, S, dtype=torch.bool, device=x.device))
             mask = (causal[None] & keep[:, None, :]) | torch.eye(S, dtype=torch.bool, device=x.device)[None]
         out = self(x, mask=mask, taps=taps, logits=logits)
-        return GPTOutput(out.logits[:, C - 1 :] if logits else None, tuple(h[:, C - 1 :] for h in out.hidden))
+        lg = out.logits[:, C - 1 :] if logits else None
+        if lg is not None and self.config.model_type == "lm":  # grammar positions: the forced token, log-prob 0
+            f = self.grammar[: lg.shape[1]].to(lg.device)
+            hot = torch.nn.functional.one_hot(f.clamp(min=0), lg.shape[-1]).bool()  # (T, V)
+            lg = torch.where((f >= 0)[:, None], torch.where(hot, 0.0, -1e4), lg)
+        return GPTOutput(lg, tuple(h[:, C - 1 :] for h in out.hidden))
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
