@@ -58,11 +58,13 @@ class LaionFilter:
     min_similarity: float = 0.0
 
 
-def corpus_schema(T: int, feat_len: Optional[int]) -> pa.Schema:
+def corpus_schema(T: int, feat_len: Optional[int], prompt_len: Optional[int] = None) -> pa.Schema:
     fields = [pa.field("key", pa.string()), pa.field("caption", pa.string()), pa.field("label", pa.int16()),
               pa.field("codes", pa.list_(pa.int16(), T))]
     if feat_len:
         fields.append(pa.field("caption_feats", pa.list_(pa.float16(), feat_len)))
+    if prompt_len:  # lm (Lumina-mGPT) targets: the prompt's token ids, -1 at padding
+        fields.append(pa.field("prompt_ids", pa.list_(pa.int32(), prompt_len)))
     return pa.schema(fields)
 
 
@@ -201,6 +203,10 @@ def table_of(keys: list[str], captions: list[str], labels: list[int], codes: tor
     T = codes.shape[1]
     arrays = [pa.array(keys, pa.string()), pa.array(captions, pa.string()), pa.array(labels, pa.int16()),
               pa.FixedSizeListArray.from_arrays(pa.array(codes.flatten().numpy(), pa.int16()), T)]
+    if feats is not None and not feats.is_floating_point():  # prompt ids
+        arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(feats.flatten().numpy(), pa.int32()),
+                                                        feats.shape[1]))
+        return pa.Table.from_arrays(arrays, schema=corpus_schema(T, None, feats.shape[1]))
     if feats is not None:
         arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(feats.flatten().numpy(), pa.float16()),
                                                         feats.shape[1]))
@@ -282,19 +288,20 @@ def build_self_generated(target, target_sha256: str, cond: torch.Tensor, labels:
     from lisa.generate import generate
 
     n = len(cond)
-    t2i = cond.dim() == 3
+    t2i, lm = cond.dim() == 3, cond.dim() == 2  # caption features / prompt ids (lm targets)
 
     def make_shard(start: int, stop: int) -> pa.Table:
         g = torch.Generator().manual_seed(seed * 1_000_003 + start)
         codes = torch.cat([generate(target, cond[b : min(b + batch_size, stop)], sampling, g)[0]
                            for b in range(start, stop, batch_size)])
         return table_of([f"{i:08d}" for i in range(start, stop)], captions[start:stop], labels[start:stop],
-                        codes.to(torch.int16), cond[start:stop].flatten(1).half() if t2i else None)
+                        codes.to(torch.int16), cond[start:stop].flatten(1).half() if t2i
+                        else cond[start:stop].int() if lm else None)
 
     write_shards(out, n, shard_size, make_shard, "self-generate")
     info = {"kind": "self-generated", "target_sha256": target_sha256, "sampling": asdict(sampling), "seed": seed,
             "batch_size": batch_size, "cls_token_num": target.config.cls_token_num,
-            "caption_dim": cond.shape[-1] if t2i else None}
+            "caption_dim": cond.shape[-1] if t2i else None, "prompt_len": cond.shape[1] if lm else None}
     return finish(out, n, shard_size, info)
 
 
@@ -322,6 +329,12 @@ def read_corpus(path: Path, model_type: str, cls_token_num: int) -> dict:
         cond = torch.from_numpy(table.column("label").to_numpy().astype(np.int64))
         if (cond < 0).any():
             raise CorpusError(f"{path}: a class-conditional target needs class labels; this corpus has captions only")
+    elif model_type == "lm":
+        if "prompt_ids" not in table.schema.names or manifest.get("prompt_len") != cls_token_num:
+            raise CorpusError(f"{path}: an lm target takes prompt ids of {cls_token_num} tokens; this corpus has "
+                              f"{manifest.get('prompt_len') or 'none'}")
+        flat = table.column("prompt_ids").combine_chunks().values.to_numpy()
+        cond = torch.from_numpy(flat.astype(np.int64)).view(len(table), cls_token_num)
     else:
         if "caption_feats" not in table.schema.names:
             raise CorpusError(f"{path}: a text-conditional target needs caption_feats; this corpus has none")

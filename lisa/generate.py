@@ -56,17 +56,22 @@ def guided(logits: Tensor, sampling: SamplingConfig) -> Tensor:
     return cfg_logits(logits, sampling.cfg_scale) if sampling.use_cfg else logits
 
 
-def force_tokens(dist: Tensor, pos: Tensor, forced: Optional[Tensor], log: bool = False) -> Tensor:
+def force_tokens(dist: Tensor, pos: Tensor, forced: Optional[Tensor], log: bool = False, free_vocab: int = 0) -> Tensor:
     """The grammar hook: `forced` (T,) holds a token id at each image position that must be emitted as is (e.g.
     Lumina-mGPT's end-of-line after every row), -1 elsewhere. At sequence positions `pos` (B, S) that are forced,
     the distribution dist (B, S, V) becomes that token: one-hot probabilities, or (log=True) log-probabilities 0
     there and -1e4 elsewhere (finite, so draft-tree ranking stays strict). Forced tokens are thus never sampled:
-    drafters draft them with certainty and every verifier accepts them, or emits them as the correction."""
+    drafters draft them with certainty and every verifier accepts them, or emits them as the correction.
+    free_vocab > 0 (lm targets): at the free positions ids >= free_vocab (the grammar tokens) get probability 0
+    (log: -1e4), so a drafter never proposes one where a code belongs (a relaxed verifier could accept it)."""
     if forced is None:
         return dist
     T = forced.shape[0]
     f = torch.where(pos < T, forced[pos.clamp(0, T - 1)], -1)  # (B, S)
     on = f >= 0
+    if free_vocab:
+        grammar_id = torch.arange(dist.shape[-1], device=dist.device) >= free_vocab
+        dist = dist.masked_fill(~on[..., None] & grammar_id, -1e4 if log else 0.0)
     if not bool(on.any()):
         return dist
     hot = torch.nn.functional.one_hot(f.clamp(min=0), dist.shape[-1]).bool()
@@ -182,6 +187,7 @@ def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: S
     if sampling.use_cfg and not cfg.has_null_cond:
         raise ValueError("cfg_scale != 1 needs a null class: this c2i model was built with class_dropout_prob=0")
     verifier = verify.get_verifier(spec.verifier)
+    fv = target.config.free_vocab  # lm targets: grammar ids are never drafted at code positions
     use_cfg, dev = sampling.use_cfg, cond.device
     B, C, N = cond.shape[0], cfg.cls_token_num, spec.nodes
     GB = (2 if use_cfg else 1) * B
@@ -226,12 +232,12 @@ def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: S
         base = (C + n - 1).clamp(max=Lt - N - 2)  # the root's slot (finished rows idle at the end)
         # ---- draft
         root_logp = guided(root_logits, sampling).log_softmax(-1)  # (B, V): scores use the raw guided drafter
-        root_logp = force_tokens(root_logp[:, None], n[:, None], forced, log=True)[:, 0]
+        root_logp = force_tokens(root_logp[:, None], n[:, None], forced, log=True, free_vocab=fv)[:, 0]
         if spec.tree == "chain":
             tree = _draft_chain(drafter, root_logp, root_hidden, n, spec.depth, C, use_cfg, sampling, max_pos,
-                                forced)
+                                forced, fv)
         else:
-            tree = _draft_tree(drafter, root_logp, root_hidden, n, spec, C, use_cfg, sampling, max_pos, forced)
+            tree = _draft_tree(drafter, root_logp, root_hidden, n, spec, C, use_cfg, sampling, max_pos, forced, fv)
         # ---- verify: one target forward over root + tree, per-row slots and tree mask
         out = tree_forward(target, tokens[ar, n - 1], tree, base, key_mask, use_cfg, taps)
         forwards += 1
@@ -316,7 +322,8 @@ def tree_forward(target: Transformer, root: Tensor, tree, base: Tensor, key_mask
     return target(x, _dup(slots, use_cfg), mask=mask, rope_pos=_dup(rope, use_cfg), taps=taps)
 
 
-def _draft_tree(drafter, root_logp, root_hidden, n, spec: SpecConfig, C, use_cfg, sampling, max_pos, forced=None):
+def _draft_tree(drafter, root_logp, root_hidden, n, spec: SpecConfig, C, use_cfg, sampling, max_pos, forced=None,
+                free_vocab=0):
     """EAGLE-2/3 dynamic tree (or a static one): expansions are drafter pairs written after the committed ones
     (slots n, n + 1, ... in expansion order) that see the committed pairs and their own ancestors' pairs."""
     B = root_logp.shape[0]
@@ -351,14 +358,16 @@ def _draft_tree(drafter, root_logp, root_hidden, n, spec: SpecConfig, C, use_cfg
                       mask=_dup(mask, use_cfg), rope_pos=_dup(rope, use_cfg))
         hid_of.scatter_(1, _dup(pick, use_cfg)[..., None].expand(-1, -1, hid_of.shape[-1]), out.hidden)
         state.update(used=state["used"] + k, slot_of=slot_of, hid_of=hid_of)
-        return force_tokens(guided(out.logits, sampling).log_softmax(-1), n[:, None] + depth, forced, log=True)
+        return force_tokens(guided(out.logits, sampling).log_softmax(-1), n[:, None] + depth, forced, log=True,
+                            free_vocab=free_vocab)
 
     if spec.tree == "static":
         return static_tree(root_logp, expand, static_choices(spec.depth, spec.top_k, spec.total_tokens))
     return dynamic_tree(root_logp, expand, spec.depth, spec.top_k, spec.total_tokens)
 
 
-def _draft_chain(drafter, root_logp, root_hidden, n, depth, C, use_cfg, sampling, max_pos, forced=None):
+def _draft_chain(drafter, root_logp, root_hidden, n, depth, C, use_cfg, sampling, max_pos, forced=None,
+                 free_vocab=0):
     """A chain: the drafter's argmax, `depth` times (pairs at slots n, n+1, ...)."""
     B, dev = root_logp.shape[0], root_logp.device
     Ld = drafter.cache_length
@@ -379,7 +388,7 @@ def _draft_chain(drafter, root_logp, root_hidden, n, depth, C, use_cfg, sampling
                       rope_pos=_dup(rope, use_cfg))
         hid = out.hidden
         logp = force_tokens(guided(out.logits[:, 0], sampling).log_softmax(-1)[:, None], (n + i + 1)[:, None], forced,
-                            log=True)[:, 0]
+                            log=True, free_vocab=free_vocab)[:, 0]
         qs.append(logp.exp())
     qs += [torch.zeros_like(qs[0])] * (depth + 1 - len(qs))
     return chain(torch.stack(toks, 1), torch.stack(scores, 1), torch.stack(qs, 1))

@@ -137,6 +137,42 @@ def text_conditions(world: WorldParams, cfg, captions: list[str]) -> torch.Tenso
     return encoder.features(captions, cfg.cls_token_num)
 
 
+def _caption_cond(t: dict, idx: torch.Tensor) -> torch.Tensor:
+    """Conditions of the captions `idx` from a codes file: features as fp32, or an lm target's prompt ids (long)."""
+    x = t["caption_feats"][idx]
+    return x.float() if x.is_floating_point() else x.long()
+
+
+def target_codebook(vq, cfg) -> torch.Tensor:
+    """The geometry of the target's vocabulary: the VQ codebook, extended for an lm target's grammar ids
+    (lisa.lumina.geometry_codebook)."""
+    if cfg.model_type == "lm":
+        from lisa.lumina import geometry_codebook
+
+        return geometry_codebook(vq.codebook(), cfg.vocab_size)
+    return vq.codebook()
+
+
+class GrammarVQ:
+    """A tokenizer that decodes an lm target's token sequences: the grammar tokens are dropped first."""
+
+    def __init__(self, vq, cfg):
+        from lisa.models.gpt import square_image_grammar
+
+        self.vq, self.free = vq, square_image_grammar(cfg.free_vocab, cfg.block_size) < 0
+
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.vq.decode(tokens[:, self.free.to(tokens.device)])
+
+    def __getattr__(self, name):
+        return getattr(self.vq, name)
+
+
+def image_tokenizer(vq, cfg):
+    """What decodes the target's token sequences to images: the VQ model, or GrammarVQ for lm targets."""
+    return GrammarVQ(vq, cfg) if cfg.model_type == "lm" else vq
+
+
 def lm_grid(cfg) -> int:
     """The side g of an lm target's square image: block_size = 4 + g (g + 1)."""
     return next(g for g in range(1, 257) if 4 + g * (g + 1) >= cfg.block_size)
@@ -251,11 +287,23 @@ def encode(dataset_dir: str | Path, tokenizer_path: str | Path, world: WorldPara
     index = {c: i for i, c in enumerate(captions)}
     for split in ("train", "test"):
         images = data.images_tensor(ds[split])
-        codes = [vq.encode(data.to_model_range(b)).flatten(1) for b in
-                 tqdm(images.split(p.batch_size), desc=f"encode {split}", unit="batch")]
-        tensors[f"{split}_codes"] = torch.cat(codes).to(torch.int16)  # (N, T)
+        codes = torch.cat([vq.encode(data.to_model_range(b)).flatten(1) for b in
+                           tqdm(images.split(p.batch_size), desc=f"encode {split}", unit="batch")])
+        if cfg.model_type == "lm":  # the target's sequences: the codes inside its image grammar
+            from lisa.models.gpt import square_image_grammar
+
+            grammar = square_image_grammar(cfg.free_vocab, cfg.block_size)
+            if codes.shape[1] != int((grammar < 0).sum()):
+                raise ValueError(f"{tokenizer_path} gives {codes.shape[1]} codes per image, the target's grammar "
+                                 f"holds {int((grammar < 0).sum())}: dataset.image_size does not fit")
+            seq = grammar.expand(len(codes), -1).clone()
+            seq[:, grammar < 0] = codes
+            codes = seq
+        tensors[f"{split}_codes"] = codes.to(torch.int16)  # (N, T)
         tensors[f"{split}_labels"] = torch.tensor(ds[split]["label"], dtype=torch.int64)
         tensors[f"{split}_caption_idx"] = torch.tensor([index[c] for c in ds[split]["caption"]], dtype=torch.int64)
+    if cfg.model_type == "lm":  # prompt ids from the checkpoint's tokenizer, -1 at padding
+        tensors["caption_feats"] = text_conditions(world, cfg, captions)
     if cfg.model_type == "t2i":
         encoder = CaptionEncoder(None if world.caption_encoder in (None, "minilm") else world.caption_encoder)
         if encoder.dim != cfg.caption_dim:
@@ -278,7 +326,7 @@ def load_codes(codes_path: str | Path, model_type: str) -> dict[str, torch.Tenso
     for split in ("train", "test"):
         out[f"{split}_tokens"] = t[f"{split}_codes"].long()
         out[f"{split}_cond"] = (t[f"{split}_labels"] if model_type == "c2i" else
-                                t["caption_feats"][t[f"{split}_caption_idx"]].float())
+                                _caption_cond(t, t[f"{split}_caption_idx"]))
     return out
 
 
@@ -405,7 +453,7 @@ def premise(target_path: str | Path, tokenizer_path: str | Path, codes_path: str
     vq, _ = load_tokenizer(tokenizer_path)
     d = load_codes(codes_path, model.config.model_type)
     n = min(p.max_sequences, len(d["test_tokens"]))
-    stats = premise_stats(model, vq.codebook(), d["test_tokens"][:n], d["test_cond"][:n], p.cfg_scale,
+    stats = premise_stats(model, target_codebook(vq, model.config), d["test_tokens"][:n], d["test_cond"][:n], p.cfg_scale,
                           tuple(p.neighbours), seed=p.seed)
     stats["target_sha256"] = target_meta["sha256"]
     write_json(report, stats)
@@ -457,7 +505,7 @@ def load_geometry(target, target_meta: dict, vq, methods, neighbours: int,
     used = {m.method for m in methods}
     if not used & {"lantern", "gsd", "gasv"}:
         return None
-    geometry = Geometry.from_codebook(vq.codebook(), neighbours)
+    geometry = Geometry.from_codebook(target_codebook(vq, target.config), neighbours)
     if "gasv" in used:
         if calibration_path is None:
             raise FileNotFoundError("gasv needs a calibration (`lisa calibrate`)")
@@ -566,6 +614,7 @@ def fid_reference(dataset_dir: str | Path, tokenizer_path: str | Path, codes_pat
     floor), vs VQ reconstructions, vs a unigram baseline. Resumable per set (work_dir)."""
     train_u8, test_u8, _ = _load_images(dataset_dir)
     vq, vq_meta = load_tokenizer(tokenizer_path)
+    vq = image_tokenizer(vq, world.gpt_config())  # lm targets: the grammar is dropped before decoding
     codes = read_state_dict(codes_path)
     # cached sets are only reused by a run of the same tokenizer, dataset and settings
     recipe = json.dumps([vq_meta["sha256"], str(dataset_dir), len(train_u8), len(test_u8), p.max_images, p.seed])
@@ -582,7 +631,8 @@ def fid_reference(dataset_dir: str | Path, tokenizer_path: str | Path, codes_pat
         "train": lambda: train_u8[train_idx],
         "reconstruction": lambda: quality.decode_tokens(vq, codes["test_codes"][ref_idx]),
         "unigram": lambda: quality.decode_tokens(vq, quality.unigram_tokens(
-            codes["train_codes"], vq.config.codebook_size, p.max_images, p.seed)),
+            codes["train_codes"], world.gpt_config().vocab_size if world.gpt_config().model_type == "lm"
+            else vq.config.codebook_size, p.max_images, p.seed)),
     }
     metrics = {name: fid.fid_kid(ref, feats(name, images), p.kid_subsets, p.kid_subset_size, p.seed)
                for name, images in sets.items()}
@@ -679,6 +729,7 @@ def evaluate(target_path: str | Path, tokenizer_path: str | Path, codes_path: st
     held-out reference features, and the judge's score, next to the judge's score of real held-out images."""
     model, target_meta = load_target(target_path)
     vq, vq_meta = load_tokenizer(tokenizer_path)
+    vq = image_tokenizer(vq, model.config)  # lm targets: the grammar is dropped before decoding
     judge, judge_meta = load_judge(Path(judge_dir) / JUDGE_FILE)
     ref, ref_idx, ref_meta = quality.read_reference(reference_path)
     if ref_meta.get("tokenizer_sha256") not in (None, vq_meta["sha256"]):
@@ -693,7 +744,7 @@ def evaluate(target_path: str | Path, tokenizer_path: str | Path, codes_path: st
         conds, captions = labels, []
     else:
         idx = codes["test_caption_idx"][torch.arange(n) % len(codes["test_caption_idx"])]
-        conds = codes["caption_feats"][idx].float()
+        conds = _caption_cond(codes, idx)
         labels, captions = codes["test_labels"][torch.arange(n) % len(codes["test_labels"])], \
             [captions_all[i] for i in idx.tolist()]
     sampling = world_sampling(world, p)  # the world's own values over the section's
@@ -795,6 +846,9 @@ def build_laion_coco(metadata: str | Path, images: str | Path, tokenizer_path: s
 
     vq, vq_meta = load_tokenizer(tokenizer_path)
     cfg = world.gpt_config()
+    if cfg.model_type == "lm":
+        raise ValueError("corpora.laion_world: Lumina-mGPT (lm) drafters train on the target's own samples "
+                         "(build-self-generated), not on LAION-COCO; name a LlamaGen world")
     if cfg.model_type != "t2i":
         raise ValueError(f"corpora.laion_world: a laion-coco corpus is for a text-to-image world, not {cfg.model_type}")
     encoder = CaptionEncoder(None if world.caption_encoder in (None, "minilm") else world.caption_encoder)
@@ -822,7 +876,7 @@ def build_self_generated(codes_path: str | Path, target_path: str | Path, world:
         idx = t["train_caption_idx"].unique()[:p.n]
         idx = idx[torch.arange(p.n) % len(idx)]
         names = json.loads(Path(codes_path).with_suffix(".json").read_text())["captions"]
-        cond, labels, captions = t["caption_feats"][idx].float(), [-1] * p.n, [names[i] for i in idx.tolist()]
+        cond, labels, captions = _caption_cond(t, idx), [-1] * p.n, [names[i] for i in idx.tolist()]
     sampling = world_sampling(world, p)  # the world's own values over the section's
     t0 = time.perf_counter()
     m = build(target, target_meta["sha256"], cond, labels, captions, sampling, p.seed, Path(out_dir),
@@ -893,7 +947,7 @@ def ablate_lid(codes_path: str | Path, target_path: str | Path, tokenizer_path: 
     lc = cache.open_cache(cache_dir, target_meta["sha256"])
     d = load_codes(codes_path, target.config.model_type)
     tp = dataclasses.replace(train_p, steps=p.steps)
-    lid = (vq.codebook(), LIDConfig(**dataclasses.asdict(p.lid)))
+    lid = (target_codebook(vq, target.config), LIDConfig(**dataclasses.asdict(p.lid)))
     if target.config.model_type == "c2i":
         cond = torch.tensor([c for c in sample_p.classes for _ in range(p.per_class)])
     else:
@@ -988,7 +1042,7 @@ def calibrate(target_path: str | Path, tokenizer_path: str | Path, cache_dir: st
     model, target_meta = load_target(target_path)
     vq, vq_meta = load_tokenizer(tokenizer_path)
     lc = cache.open_cache(cache_dir, target_meta["sha256"])
-    cal = fit(model.output.weight, vq.codebook(), lc, CalibrateConfig(**asdict(p)),
+    cal = fit(model.output.weight, target_codebook(vq, model.config), lc, CalibrateConfig(**asdict(p)),
               {"target": str(target_path), "target_sha256": target_meta["sha256"], "tokenizer": str(tokenizer_path),
                "tokenizer_sha256": vq_meta["sha256"], "cache": str(cache_dir)})
     meta = save_calibration(cal, out_dir)
@@ -1018,7 +1072,7 @@ def _eval_conditions(model, codes: dict, captions_all: list[str], n: int):
         labels = torch.arange(n) % model.config.num_classes
         return labels, labels, []
     idx = codes["test_caption_idx"][torch.arange(n) % len(codes["test_caption_idx"])]
-    return (codes["caption_feats"][idx].float(), codes["test_labels"][torch.arange(n) % len(codes["test_labels"])],
+    return (_caption_cond(codes, idx), codes["test_labels"][torch.arange(n) % len(codes["test_labels"])],
             [captions_all[i] for i in idx.tolist()])
 
 
@@ -1035,13 +1089,14 @@ def eval_method(target_path: str | Path, tokenizer_path: str | Path, codes_path:
     m = p.cells[name].as_method(name)
     model, target_meta = load_target(target_path)
     vq, vq_meta = load_tokenizer(tokenizer_path)
+    vq = image_tokenizer(vq, model.config)  # lm targets: the grammar is dropped before decoding
     judge, judge_meta = load_judge(Path(judge_dir) / JUDGE_FILE)
     ref, _, ref_meta = quality.read_reference(reference_path)
     if ref_meta.get("tokenizer_sha256") not in (None, vq_meta["sha256"]):
         raise ValueError(f"{reference_path} was made with another tokenizer than {tokenizer_path}: "
                          "rerun `lisa fid-reference`")
     drafters = method_drafters([m], drafter_paths, target_meta)
-    geometry = load_geometry(model, target_meta, vq, [m], 64, calibration_path)
+    geometry = load_geometry(model, target_meta, vq, [m], min(64, model.config.vocab_size - 1), calibration_path)
     if geometry is not None and geometry.calibration is not None:
         geometry.neighbours = geometry.calibration.neighbours
     drafter = drafters[m.drafter][0] if m.drafter in drafters else None

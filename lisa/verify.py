@@ -241,6 +241,9 @@ def neighbour_table(codebook: Tensor, k: int) -> Tensor:
     content and k (cached in memory)."""
     import hashlib
 
+    if not 0 < k < codebook.shape[0]:
+        raise ValueError(f"neighbour table: k={k} nearest codes asked of a {codebook.shape[0]}-entry codebook "
+                         f"(k must be 1 .. {codebook.shape[0] - 1})")
     key = (hashlib.sha256(codebook.detach().float().cpu().numpy().tobytes()).hexdigest(), k)
     if key not in _NEIGHBOURS:
         e = torch.nn.functional.normalize(codebook.float(), dim=-1)

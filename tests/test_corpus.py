@@ -13,9 +13,9 @@ from tests.helpers import micro_gpt
 
 class FakeEncoder:
     """A deterministic stand-in for the caption encoder (the real one is exercised by the pipeline test)."""
-    path, dim = "fake", 6
+    path, dim, is_t5 = "fake", 6, False
 
-    def encode(self, captions, length):
+    def features(self, captions, length):
         g = [torch.Generator().manual_seed(sum(map(ord, c))) for c in captions]
         return torch.stack([torch.randn(length, self.dim, generator=x) for x in g])
 

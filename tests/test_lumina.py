@@ -14,6 +14,7 @@ from lisa.generate import SpecConfig, generate, speculative_generate
 from lisa.lumina import (LuminaGrammar, chameleon_codebook, encode_prompts, geometry_codebook,
                          guided_logits_sequential, import_chameleon)
 from lisa.sampling import SamplingConfig, cfg_logits
+from tests.helpers import make_tiny_lumina, make_tiny_vqgan
 
 K = 16  # a tiny codebook: random drafts are sometimes right, so speculative rounds accept
 GRAMMAR = LuminaGrammar(codebook_size=K, max_grid=8)
@@ -21,43 +22,9 @@ GRID = 3  # 48 px at downsample 16 -> 3x3 codes + 3 EOL + 4 = 16 tokens
 PROMPT = 24
 
 
-def letters(n: int) -> str:
-    return "".join(chr(ord("A") + int(d)) for d in str(n))
-
-
-def make_tokenizer(path):
-    """A small word-level tokenizer (ids in the text range 8810..) saved as tokenizer.json beside the weights."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = ["<unk>", "<s>", "generate", "an", "image", "of", "48x48", "according", "to", "the", "following",
-             "prompt", ":", "a", "red", "apple", "cat", "on", "mat"]
-    tok = Tokenizer(models.WordLevel({w: 8810 + i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace()])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>")
-    fast.save_pretrained(str(path))
-
-
 @pytest.fixture(scope="module")
 def lumina_dir(tmp_path_factory):
-    from transformers import ChameleonConfig, ChameleonForConditionalGeneration
-
-    vmap = {f"IMGIMG{letters(c)}Z": 4 + c for c in range(K)}
-    vmap["<image>"] = 8711
-    cfg = ChameleonConfig(vocab_size=8900, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                          vocabulary_map=vmap,
-                          vq_config=dict(embed_dim=8, num_embeddings=K, base_channels=32, channel_multiplier=[1, 1],
-                                         num_res_blocks=1, latent_channels=32, resolution=32, attn_resolutions=[]))
-    torch.manual_seed(0)
-    model = ChameleonForConditionalGeneration(cfg).eval()
-    with torch.no_grad():  # weights far from init, so that norms, biases and RoPE all matter
-        for name, p in model.named_parameters():
-            p.add_(torch.randn_like(p) * (0.3 if p.dim() < 2 or "norm" in name else 0.1))
-    path = tmp_path_factory.mktemp("lumina") / "Lumina-mGPT-tiny"
-    model.save_pretrained(str(path))
-    make_tokenizer(path)
-    return path
+    return make_tiny_lumina(tmp_path_factory.mktemp("lumina") / "Lumina-mGPT-tiny", K)
 
 
 @pytest.fixture(scope="module")
@@ -111,10 +78,15 @@ def test_grammar_in_place_vanilla_and_speculative(lumina_dir, target, cfg_scale)
     drafter = new_drafter(target).eval()
     runs = {"vanilla": generate(target, ids, sampling, torch.Generator().manual_seed(0), cond_mask=mask,
                                 forced=forced)[0]}
-    for tree in ("dynamic", "chain"):
-        spec = SpecConfig(verifier="exact", tree=tree, depth=3, top_k=3, total_tokens=6)
-        runs[tree], stats = speculative_generate(target, drafter, ids, sampling, spec,
-                                                 torch.Generator().manual_seed(1), cond_mask=mask, forced=forced)
+    from lisa.verify import Geometry
+
+    # a relaxed verifier too: LANTERN moves mass between codebook neighbours, never onto a grammar id
+    geometry = Geometry.from_codebook(geometry_codebook(chameleon_codebook(lumina_dir), target.config.vocab_size), 8)
+    for tree, verifier in (("dynamic", "exact"), ("chain", "exact"), ("dynamic", "lantern")):
+        spec = SpecConfig(verifier=verifier, tree=tree, depth=3, top_k=3, total_tokens=6)
+        runs[tree + verifier], stats = speculative_generate(
+            target, drafter, ids, sampling, spec, torch.Generator().manual_seed(1), cond_mask=mask, forced=forced,
+            geometry=geometry, options={"k": 8, "delta": 0.5})
         assert sum(stats["accept_lengths"][0]) == len(forced) - 1
     for name, out in runs.items():
         assert out.shape == (3, GRAMMAR.sequence_length(GRID, GRID)), name
@@ -207,30 +179,11 @@ def test_chameleon_vqgan_import_matches_transformers_encoder(lumina_dir, tmp_pat
     from transformers import ChameleonForConditionalGeneration
 
     from lisa.lumina import import_chameleon_vq
-    from lisa.models.vq import VQModel
 
     hf = ChameleonForConditionalGeneration.from_pretrained(str(lumina_dir), local_files_only=True).eval()
-    enc = {k: v for k, v in hf.model.vqmodel.state_dict().items()}
     with pytest.raises(CheckpointError, match="has no decoder"):
         import_chameleon_vq(lumina_dir, image_size=16)
-    # a decoder in taming's layout: our decoder's tensors under taming's names (up levels by resolution)
-    torch.manual_seed(1)
-    from lisa.models.vq import vq_config
-
-    cfg = vq_config(codebook_size=K, codebook_embed_dim=8, codebook_l2_norm=False, encoder_ch_mult=[1, 1],
-                    decoder_ch_mult=[1, 1], z_channels=32, ch=32, num_res_blocks=1, level_attn=False, image_size=16)
-    ours_dec = {k: v for k, v in VQModel(cfg).state_dict().items() if k.startswith("decoder.")}
-    taming = {}
-    for k, v in ours_dec.items():
-        parts = k.split(".")
-        if parts[1] == "conv_blocks":  # decoder.conv_blocks.j.{res,upsample}... -> decoder.up.(L-1-j).{block,upsample}
-            kind = "block" if parts[3] == "res" else parts[3]
-            k = ".".join(["decoder", "up", str(1 - int(parts[2])), kind] + parts[4:])
-        elif parts[1] == "mid":
-            k = ".".join(["decoder", "mid", ["block_1", "attn_1", "block_2"][int(parts[2])]] + parts[3:])
-        taming[k] = v
-    taming["loss.discriminator.main.0.weight"] = torch.zeros(1)  # training-loss keys are dropped
-    torch.save({"state_dict": enc | taming}, tmp_path / "vqgan.ckpt")
+    _, taming = make_tiny_vqgan(lumina_dir, tmp_path / "vqgan.ckpt", K)
     vq = import_chameleon_vq(tmp_path / "vqgan.ckpt", image_size=16)
     assert vq.config.codebook_embed_dim == 8 and not vq.config.level_attn and not vq.config.codebook_l2_norm
     x = torch.rand(2, 3, 16, 16) * 2 - 1
@@ -238,7 +191,7 @@ def test_chameleon_vqgan_import_matches_transformers_encoder(lumina_dir, tmp_pat
         ref = hf.model.vqmodel.encode(x).image_tokens.view(2, 8, 8)
         codes = vq.encode(x)
         assert torch.equal(codes, ref)
-        torch.testing.assert_close(vq.decoder.conv_out.weight, ours_dec["decoder.conv_out.weight"])
+        torch.testing.assert_close(vq.decoder.conv_out.weight, taming["decoder.conv_out.weight"])
         assert vq.decode(codes).shape == (2, 3, 16, 16)
 
 
@@ -251,24 +204,7 @@ def test_lumina_world_imports_and_samples_images(lumina_dir, target, tmp_path):
     from lisa.config import InitTargetParams, InitTokenizerParams, SampleParams, WorldParams
     from lisa.stages import init_target, init_tokenizer, sample
 
-    from transformers import ChameleonForConditionalGeneration
-
-    from lisa.models.vq import VQModel, vq_config
-
-    hf = ChameleonForConditionalGeneration.from_pretrained(str(lumina_dir), local_files_only=True)
-    cfg = vq_config(codebook_size=K, codebook_embed_dim=8, codebook_l2_norm=False, encoder_ch_mult=[1, 1],
-                    decoder_ch_mult=[1, 1], z_channels=32, ch=32, num_res_blocks=1, level_attn=False)
-    dec = {}
-    for k, v in VQModel(cfg).state_dict().items():  # a decoder in taming's layout (see the test above)
-        parts = k.split(".")
-        if parts[0] != "decoder":
-            continue
-        if parts[1] == "conv_blocks":
-            parts = ["decoder", "up", str(1 - int(parts[2])), "block" if parts[3] == "res" else parts[3]] + parts[4:]
-        elif parts[1] == "mid":
-            parts = ["decoder", "mid", ["block_1", "attn_1", "block_2"][int(parts[2])]] + parts[3:]
-        dec[".".join(parts)] = v
-    torch.save({"state_dict": hf.model.vqmodel.state_dict() | dec}, tmp_path / "vqgan.ckpt")
+    make_tiny_vqgan(lumina_dir, tmp_path / "vqgan.ckpt", K)
     world = WorldParams(target=asdict(target.config), tokenizer={"preset": "VQ-16"},
                         target_checkpoint=str(lumina_dir), tokenizer_checkpoint=str(tmp_path / "vqgan.ckpt"),
                         sampling={"cfg_scale": 3.0, "top_k": 8})

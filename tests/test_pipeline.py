@@ -191,3 +191,66 @@ def test_stages_import_an_official_checkpoint(tmp_path):
     metrics = stages.sample(where["target"] / stages.TARGET_FILE, where["tokenizer"] / stages.TOKENIZER_FILE,
                             world, p.sample, where["samples"])
     assert metrics["images"] == 8 and (where["samples"] / "grid.png").is_file()
+
+
+@pytest.mark.slow
+def test_dvc_repro_lumina_world(tmp_path):
+    """The real profile's Lumina-mGPT world through the same DAG (`dvc repro`), on stand-ins in the real formats:
+    a tiny random transformers Chameleon directory and Chameleon's vqgan.ckpt layout (imported by train-target /
+    train-tokenizer), MS-COCO-layout images and captions files (build-dataset), prompts through the checkpoint's
+    tokenizer. Codes become grammar sequences; drafters, the logit cache, LID, calibration, bench-spec, quality cells
+    and the table all run on them, and every emitted sequence keeps the image grammar in place."""
+    import yaml
+
+    from lisa.lumina import import_chameleon
+    from tests.helpers import make_tiny_lumina, make_tiny_vqgan
+    from tests.test_real_data import coco_folder
+
+    lumina = make_tiny_lumina(tmp_path / "Lumina-mGPT-tiny", 16)
+    vqgan, _ = make_tiny_vqgan(lumina, tmp_path / "vqgan.ckpt", 16)
+    train, train_caps = coco_folder(tmp_path / "coco" / "train2017", 24, 100)
+    val, val_caps = coco_folder(tmp_path / "coco" / "val2017", 8, 500)
+    # 16 px images at the VQGAN's downsample 2 -> 8 x 8 codes: a grid of 8 (image_size 128 at Lumina's 16 px / code)
+    cfg = import_chameleon(lumina, image_size=128, prompt_len=24,
+                           grammar=__import__("lisa.lumina", fromlist=["LuminaGrammar"]).LuminaGrammar(16, max_grid=8)).config
+    repo = micro_repo(tmp_path)
+    params = yaml.safe_load(profile_text("micro"))
+    from dataclasses import asdict
+
+    params["worlds"] = {"lumina-micro": {
+        "dataset": {"name": "coco", "image_size": 16, "path": str(train), "captions": str(train_caps),
+                    "test_path": str(val), "test_captions": str(val_caps)},
+        "tokenizer": {"preset": "VQ-micro"}, "target": asdict(cfg), "caption_encoder": None,
+        "target_checkpoint": str(lumina), "tokenizer_checkpoint": str(vqgan),
+        "sampling": {"cfg_scale": 3.0, "top_k": 8}}}
+    params["sample"]["prompts"] = ["a red apple", "a grey coat"]
+    params["premise"]["neighbours"] = [4, 8]  # 16 codes
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    w = "lumina-micro"
+    run([str(BIN / "dvc"), "repro", "table", f"sample@{w}", f"premise@{w}", f"build-self-generated@{w}"], repo)
+    target = json.loads((repo / f"reports/target/{w}.json").read_text())
+    assert target["imported"] == str(lumina) and 0 < target["heldout_nll_per_token"] < 10
+    assert json.loads((repo / f"reports/tokenizer/{w}.json").read_text())["imported"] == str(vqgan)
+    from lisa.checkpoint import read_state_dict
+    from lisa.models.gpt import square_image_grammar
+
+    grammar = square_image_grammar(16, cfg.block_size)
+    codes = read_state_dict(repo / f"data/codes/{w}/codes.safetensors")
+    assert (codes["train_codes"][:, grammar >= 0] == grammar[grammar >= 0]).all()
+    assert not codes["caption_feats"].is_floating_point() and (codes["caption_feats"] == -1).any()  # packed ids
+    tokens = torch_load(repo / f"reports/samples/{w}/tokens.pt")["tokens"]
+    assert (tokens[:, grammar >= 0] == grammar[grammar >= 0]).all() and (tokens[:, grammar < 0] < 16).all()
+    spec = json.loads((repo / f"reports/bench/{w}.json").read_text())
+    assert spec["sampling"]["cfg_scale"] == 3.0 and all(m["tau"] >= 1.0 for m in spec["methods"])
+    for cell in ("vanilla", "exact-tree", "lisa"):
+        c = json.loads((repo / f"reports/quality/{w}/methods/{cell}.json").read_text())
+        assert c["samples"] == 8 and c["fid"] > 0
+    assert f"## {w}" in (repo / "reports/table.md").read_text()
+    gen = json.loads((repo / f"reports/corpora/self-generated-{w}.json").read_text())
+    assert gen["sequences"] == 8
+
+
+def torch_load(path):
+    import torch
+
+    return torch.load(path, weights_only=True)

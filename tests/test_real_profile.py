@@ -15,7 +15,9 @@ def test_real_profile_parses_and_estimates(tmp_path, capsys):
     path = tmp_path / "real.yaml"
     path.write_text(profile_text("real"))
     p = load_params(path)
-    assert set(p.worlds) == {"llamagen-t2i", "llamagen-c2i-384"}
+    assert set(p.worlds) == {"llamagen-t2i", "llamagen-c2i-384", "lumina-mgpt-768"}
+    lumina = p.worlds["lumina-mgpt-768"].gpt_config()
+    assert (lumina.block_size, lumina.vocab_size, lumina.free_vocab) == (2356, 8260, 8192)  # 48 x 48 + grammar
     t2i = p.worlds["llamagen-t2i"]
     assert t2i.gpt_config().cls_token_num == 120 and t2i.sampling["cfg_scale"] == 7.5
     assert p.worlds["llamagen-c2i-384"].gpt_config().block_size == 576
@@ -25,7 +27,7 @@ def test_real_profile_parses_and_estimates(tmp_path, capsys):
     assert e.spec_s_per_image < e.vanilla_s_per_image
     assert main(["estimate", "--params", str(path), "--gpu", "A100-80G"]) == 0
     out = capsys.readouterr().out
-    assert "| llamagen-c2i-384 | 0.77B" in out
+    assert "| llamagen-c2i-384 | 0.77B" in out and "| lumina-mgpt-768 | 6.78B" in out
     assert "worlds.llamagen-t2i.target_checkpoint: checkpoints/llamagen/t2i_XL_stage1_256.pt" in out
     assert "worlds.llamagen-c2i-384.dataset.test_path: data/imagenet/val" in out
 
