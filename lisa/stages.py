@@ -203,7 +203,7 @@ def init_target(world: WorldParams, p: InitTargetParams, out_dir: str | Path) ->
                                     vq.downsample, **overrides)
         want = world.gpt_config()
         diff = {k: (getattr(want, k), getattr(model.config, k)) for k in ("vocab_size", "block_size")
-                if getattr(want, k) != getattr(model.config, k)}
+                if k in world.target and getattr(want, k) != getattr(model.config, k)}  # the ones the world names
         if diff:
             raise CheckpointError(f"{world.target_checkpoint}: differs from worlds.<world>.target (params, checkpoint "
                                   f"at {vq.image_size} px / downsample {vq.downsample}): {diff}")
