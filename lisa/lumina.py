@@ -31,7 +31,8 @@ import torch
 from torch import Tensor
 
 from lisa.checkpoint import CheckpointError
-from lisa.models.gpt import GPTConfig, Transformer, rope_1d_table, rotate_half_permutation, square_image_grammar
+from lisa.models.gpt import (GPTConfig, Transformer, image_grammar, rope_1d_table, rotate_half_permutation,
+                             square_image_grammar)
 
 PROMPT_TEMPLATE = "Generate an image of {width}x{height} according to the following prompt:\n{caption}"
 
@@ -63,10 +64,7 @@ class LuminaGrammar:
         """(4 + h (w + 1),) our ids of the grammar tokens at their positions, -1 at the h x w code positions."""
         if not (0 < h <= self.max_grid and 0 < w <= self.max_grid):
             raise ValueError(f"LuminaGrammar: grid {h}x{w} outside 1..{self.max_grid}")
-        rows = torch.full((h, w + 1), -1, dtype=torch.long)
-        rows[:, w] = self.ours("eol")
-        head = torch.tensor([self.ours("soi"), self.ours("size", h), self.ours("size", w)])
-        return torch.cat([head, rows.flatten(), torch.tensor([self.ours("eoi")])])
+        return image_grammar(self.codebook_size, h, w)
 
     def codes(self, tokens: Tensor, h: int, w: int) -> Tensor:
         """(B, 4 + h (w + 1)) generated ids -> (B, h, w) VQ codes; a sequence that breaks the grammar is an error."""
@@ -346,23 +344,32 @@ def geometry_codebook(codebook: Tensor, vocab_size: int) -> Tensor:
 # Prompts and CFG
 
 
-def encode_prompts(path: str | Path, captions: list[str], prompt_len: int, image_size: int,
-                   template: str = PROMPT_TEMPLATE) -> tuple[Tensor, Tensor]:
-    """Lumina-mGPT prompts -> (ids (B, prompt_len), mask (B, prompt_len) bool), LEFT padded (the prompt ends right
-    before the image), with the tokenizer found in the checkpoint directory (tokenizer.json or the usual files).
+def prompt_encoder(path: str | Path, prompt_len: int, image_size: int, template: str = PROMPT_TEMPLATE):
+    """captions -> (ids (B, prompt_len), mask (B, prompt_len) bool): Lumina-mGPT prompts LEFT padded (the prompt ends
+    right before the image), with the tokenizer found in the checkpoint directory (loaded once, here).
     `torch.where(mask, ids, -1)` is the packed form every decode loop and stage takes (Transformer.split_cond)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    texts = [template.format(width=image_size, height=image_size, caption=c) for c in captions]
-    ids = torch.zeros(len(texts), prompt_len, dtype=torch.long)
-    mask = torch.zeros(len(texts), prompt_len, dtype=torch.bool)
-    for i, text in enumerate(texts):
-        t = tok(text, add_special_tokens=True)["input_ids"][:prompt_len]
-        ids[i, prompt_len - len(t):] = torch.tensor(t)
-        mask[i, prompt_len - len(t):] = True
-    return ids, mask
+
+    def encode(captions: list[str]) -> tuple[Tensor, Tensor]:
+        ids = torch.zeros(len(captions), prompt_len, dtype=torch.long)
+        mask = torch.zeros(len(captions), prompt_len, dtype=torch.bool)
+        for i, c in enumerate(captions):
+            t = tok(template.format(width=image_size, height=image_size, caption=c),
+                    add_special_tokens=True)["input_ids"][:prompt_len]
+            ids[i, prompt_len - len(t):] = torch.tensor(t)
+            mask[i, prompt_len - len(t):] = True
+        return ids, mask
+
+    return encode
+
+
+def encode_prompts(path: str | Path, captions: list[str], prompt_len: int, image_size: int,
+                   template: str = PROMPT_TEMPLATE) -> tuple[Tensor, Tensor]:
+    """prompt_encoder(...)(captions), for one call."""
+    return prompt_encoder(path, prompt_len, image_size, template)(captions)
 
 
 @torch.no_grad()

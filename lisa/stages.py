@@ -32,7 +32,7 @@ from lisa.config import (AblateLIDParams, AutoTreeParams, BenchMethod, BenchPara
 from lisa.generate import generate
 from lisa.images import save_grid
 from lisa.load import import_llamagen_gpt, import_llamagen_vq, load_target, load_tokenizer
-from lisa.models.gpt import Transformer, gpt_config
+from lisa.models.gpt import Transformer, gpt_config, grammar_grid
 from lisa.models.vq import VQModel
 from lisa.premise import premise_stats
 from lisa.sampling import SamplingConfig
@@ -123,18 +123,28 @@ def world_sampling(world: WorldParams, p) -> SamplingConfig:
     return SamplingConfig(float(v["temperature"]), int(v["top_k"]), float(v["top_p"]), float(v["cfg_scale"]))
 
 
-def text_conditions(world: WorldParams, cfg, captions: list[str]) -> torch.Tensor:
-    """Conditions of a text-conditional target for `captions`: caption-encoder features (T5: packed with their
-    mask) for t2i; for lm targets (Lumina-mGPT) the prompt ids from the checkpoint's own tokenizer, -1 at padding."""
+def text_encoder(world: WorldParams, cfg):
+    """captions -> conditions of a text-conditional target, its encoder loaded once: caption-encoder features (T5:
+    packed with their mask) for t2i; for lm targets (Lumina-mGPT) the prompt ids of the checkpoint's own tokenizer,
+    -1 at padding."""
     if cfg.model_type == "lm":
-        from lisa.lumina import encode_prompts
+        from lisa.lumina import prompt_encoder
 
         if not world.target_checkpoint:
             raise ValueError("an lm (Lumina-mGPT) world needs target_checkpoint: its tokenizer encodes the prompts")
-        ids, mask = encode_prompts(world.target_checkpoint, captions, cfg.cls_token_num, 16 * lm_grid(cfg))
-        return torch.where(mask, ids, -1)
+        encode = prompt_encoder(world.target_checkpoint, cfg.cls_token_num, 16 * grammar_grid(cfg.block_size))
+        def prompts(captions):
+            ids, mask = encode(captions)
+            return torch.where(mask, ids, -1)
+
+        return prompts
     encoder = CaptionEncoder(None if world.caption_encoder in (None, "minilm") else world.caption_encoder)
-    return encoder.features(captions, cfg.cls_token_num)
+    return lambda captions: encoder.features(captions, cfg.cls_token_num)
+
+
+def text_conditions(world: WorldParams, cfg, captions: list[str]) -> torch.Tensor:
+    """text_encoder(world, cfg)(captions), for one call."""
+    return text_encoder(world, cfg)(captions)
 
 
 def _caption_cond(t: dict, idx: torch.Tensor) -> torch.Tensor:
@@ -173,11 +183,6 @@ def image_tokenizer(vq, cfg):
     return GrammarVQ(vq, cfg) if cfg.model_type == "lm" else vq
 
 
-def lm_grid(cfg) -> int:
-    """The side g of an lm target's square image: block_size = 4 + g (g + 1)."""
-    return next(g for g in range(1, 257) if 4 + g * (g + 1) >= cfg.block_size)
-
-
 def init_target(world: WorldParams, p: InitTargetParams, out_dir: str | Path) -> dict:
     """Target artifact for a world: imported from `world.target_checkpoint` if set (an official LlamaGen .pt, or a
     Lumina-mGPT / Chameleon transformers directory), else seeded random init."""
@@ -186,7 +191,7 @@ def init_target(world: WorldParams, p: InitTargetParams, out_dir: str | Path) ->
     torch.manual_seed(p.seed)
     if world.target_checkpoint and is_chameleon_dir(world.target_checkpoint):
         want = world.gpt_config()
-        grid = lm_grid(want)
+        grid = grammar_grid(want.block_size)
         grammar = LuminaGrammar(codebook_size=want.free_vocab, max_grid=want.vocab_size - want.free_vocab - 4)
         model = import_chameleon(world.target_checkpoint, image_size=16 * grid, prompt_len=want.cls_token_num,
                                  grammar=grammar)
@@ -218,7 +223,7 @@ def init_tokenizer(world: WorldParams, p: InitTokenizerParams, out_dir: str | Pa
     if world.tokenizer_checkpoint and world.target.get("arch") == "chameleon":  # Lumina-mGPT: Chameleon's VQGAN
         from lisa.lumina import import_chameleon_vq
 
-        model = import_chameleon_vq(world.tokenizer_checkpoint, 16 * lm_grid(world.gpt_config()))
+        model = import_chameleon_vq(world.tokenizer_checkpoint, 16 * grammar_grid(world.gpt_config().block_size))
     elif world.tokenizer_checkpoint:
         overrides = {k: v for k, v in world.tokenizer.items() if k != "preset"}
         model = import_llamagen_vq(world.tokenizer_checkpoint, world.tokenizer.get("preset", "VQ-16"), **overrides)
@@ -542,9 +547,10 @@ def bench_spec(target_path: str | Path, tokenizer_path: str | Path, drafter_path
     else:
         if not sample_p.prompts:
             raise ValueError(f"{target_path} is text-conditional: sample.prompts must list captions")
-        text_conditions(world, cfg, sample_p.prompts[:1])  # warm-up
+        encode_text = text_encoder(world, cfg)
+        encode_text(sample_p.prompts[:1])  # warm-up
         t0 = time.perf_counter()
-        feats = text_conditions(world, cfg, list(sample_p.prompts))
+        feats = encode_text(list(sample_p.prompts))
         text_s = (time.perf_counter() - t0) / len(sample_p.prompts)
         labels = [q for q in sample_p.prompts for _ in range(p.per_class)]
         cond = feats.repeat_interleave(p.per_class, dim=0)
@@ -614,7 +620,8 @@ def fid_reference(dataset_dir: str | Path, tokenizer_path: str | Path, codes_pat
     floor), vs VQ reconstructions, vs a unigram baseline. Resumable per set (work_dir)."""
     train_u8, test_u8, _ = _load_images(dataset_dir)
     vq, vq_meta = load_tokenizer(tokenizer_path)
-    vq = image_tokenizer(vq, world.gpt_config())  # lm targets: the grammar is dropped before decoding
+    cfg = world.gpt_config()
+    vq = image_tokenizer(vq, cfg)  # lm targets: the grammar is dropped before decoding
     codes = read_state_dict(codes_path)
     # cached sets are only reused by a run of the same tokenizer, dataset and settings
     recipe = json.dumps([vq_meta["sha256"], str(dataset_dir), len(train_u8), len(test_u8), p.max_images, p.seed])
@@ -631,8 +638,8 @@ def fid_reference(dataset_dir: str | Path, tokenizer_path: str | Path, codes_pat
         "train": lambda: train_u8[train_idx],
         "reconstruction": lambda: quality.decode_tokens(vq, codes["test_codes"][ref_idx]),
         "unigram": lambda: quality.decode_tokens(vq, quality.unigram_tokens(
-            codes["train_codes"], world.gpt_config().vocab_size if world.gpt_config().model_type == "lm"
-            else vq.config.codebook_size, p.max_images, p.seed)),
+            codes["train_codes"], cfg.vocab_size if cfg.model_type == "lm" else vq.config.codebook_size,
+            p.max_images, p.seed)),
     }
     metrics = {name: fid.fid_kid(ref, feats(name, images), p.kid_subsets, p.kid_subset_size, p.seed)
                for name, images in sets.items()}

@@ -359,16 +359,28 @@ class CaptionEmbedder(nn.Module):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def square_image_grammar(codebook_size: int, block_size: int) -> Tensor:
-    """The forced-token vector (block_size,) of an lm target's square image (lisa.lumina.LuminaGrammar.forced, our
-    ids): SOI, size(g), size(g), g rows of g codes (-1: sampled) each followed by EOL, EOI; 4 + g (g + 1) tokens."""
+def image_grammar(codebook_size: int, h: int, w: int) -> Tensor:
+    """The forced-token vector (4 + h (w + 1),) of an lm target's h x w image in our ids (codes 0..K-1, then SOI = K,
+    EOI = K + 1, EOL = K + 2, size token of grid g = K + 3 + g): SOI, size(h), size(w), h rows of w codes (-1:
+    sampled) each followed by EOL, EOI. lisa.lumina.LuminaGrammar names the layout."""
     K = codebook_size
+    rows = torch.full((h, w + 1), -1, dtype=torch.long)
+    rows[:, w] = K + 2
+    return torch.cat([torch.tensor([K, K + 3 + h, K + 3 + w]), rows.flatten(), torch.tensor([K + 1])])
+
+
+def grammar_grid(block_size: int) -> int:
+    """The side g of an lm target's square image: block_size = 4 + g (g + 1)."""
     g = next((g for g in range(1, 257) if 4 + g * (g + 1) >= block_size), 0)
     if 4 + g * (g + 1) != block_size:
         raise ValueError(f"GPTConfig.block_size={block_size} is not 4 + g (g + 1) for a square g x g image grammar")
-    rows = torch.full((g, g + 1), -1, dtype=torch.long)
-    rows[:, g] = K + 2
-    return torch.cat([torch.tensor([K, K + 3 + g, K + 3 + g]), rows.flatten(), torch.tensor([K + 1])])
+    return g
+
+
+def square_image_grammar(codebook_size: int, block_size: int) -> Tensor:
+    """image_grammar of the square grid that block_size holds."""
+    g = grammar_grid(block_size)
+    return image_grammar(codebook_size, g, g)
 
 
 class PromptEmbedder(nn.Module):
@@ -551,8 +563,9 @@ class Transformer(nn.Module):
         lg = out.logits[:, C - 1 :] if logits else None
         if lg is not None and self.config.model_type == "lm":  # grammar positions: the forced token, log-prob 0
             f = self.grammar[: lg.shape[1]].to(lg.device)
-            hot = torch.nn.functional.one_hot(f.clamp(min=0), lg.shape[-1]).bool()  # (T, V)
-            lg = torch.where((f >= 0)[:, None], torch.where(hot, 0.0, -1e4), lg)
+            pos = (f >= 0).nonzero().squeeze(1)
+            lg[:, pos] = -1e4
+            lg[:, pos, f[pos]] = 0.0
         return GPTOutput(lg, tuple(h[:, C - 1 :] for h in out.hidden))
 
     def num_params(self) -> int:
