@@ -245,7 +245,7 @@ def cmd_bench_gpu(a):
     from pathlib import Path
 
     from lisa.checkpoint import atomic_write, write_json
-    from lisa.gpubench import GPUBenchConfig, gpu_bench, gpu_markdown
+    from lisa.bench.gpu import GPUBenchConfig, gpu_bench, gpu_markdown
 
     cfg = GPUBenchConfig(preset=a.preset, image_tokens=a.tokens, vocab_size=a.vocab, batch_size=a.batch,
                          dtype=a.dtype, compile=a.compile, repeats=a.repeats)
@@ -260,7 +260,7 @@ def cmd_bench_gpu(a):
 
 
 def cmd_estimate(a):
-    from lisa.estimate import estimate_markdown, missing_checkpoints
+    from lisa.bench.estimate import estimate_markdown, missing_checkpoints
 
     p = load_params(a.params)
     sys.stdout.write(estimate_markdown(p, a.gpu, a.tau))

@@ -28,7 +28,7 @@ class ConfigError(ValueError):
 
 @dataclass(config=STRICT)
 class DatasetParams:
-    name: str  # built-in: fashion | emoji; local (real profile): imagenet | coco (lisa/data.py)
+    name: str  # built-in: fashion | emoji; local (real profile): imagenet | coco (lisa/data/datasets.py)
     image_size: int = 32
     path: Optional[str] = None  # imagenet: an ImageFolder tree; coco: the image folder (val2017/)
     captions: Optional[str] = None  # coco: captions_train2017.json
@@ -64,7 +64,7 @@ class BuildDatasetParams:
 
 @dataclass(config=STRICT)
 class TrainParams:
-    """What every training loop shares (lisa/train.py): steps, batch, warm-up + cosine schedule, checkpoints."""
+    """What every training loop shares (lisa/training/loops.py): steps, batch, warm-up + cosine schedule, checkpoints."""
     steps: int = 2000
     batch_size: int = 64
     lr: float = 1e-3
@@ -107,7 +107,7 @@ class InitTokenizerParams:
 
 @dataclass(config=STRICT)
 class SamplingParams:
-    """What every sampling stage shares (lisa.sampling.SamplingConfig, plus a seed)."""
+    """What every sampling stage shares (lisa.decoding.sampling.SamplingConfig, plus a seed)."""
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -120,14 +120,14 @@ class SampleParams(SamplingParams):
     classes: list[int] = Field(default_factory=lambda: list(range(10)))  # c2i: one grid row per class
     prompts: list[str] = Field(default_factory=list)  # t2i: one grid row per caption
     # t2i: MS-COCO 2017 captions (captions_val2017.json), the longest caption per image, the first `num_prompts`
-    # images by id; used instead of `prompts` when set (lisa.data.coco_prompts)
+    # images by id; used instead of `prompts` when set (lisa.data.datasets.coco_prompts)
     prompts_file: Optional[str] = None
     num_prompts: int = 16
     per_class: int = 4
     batch_size: int = 8
     # decoding method: vanilla, or a verifier name (greedy, exact, lantern with a drafter; sjd, gsd drafter-free)
     method: str = "vanilla"
-    tree: str = "dynamic"  # speculative: dynamic | static | chain | auto (lisa.costmodel picks depth, total_tokens)
+    tree: str = "dynamic"  # speculative: dynamic | static | chain | auto (lisa.decoding.costmodel picks depth, total_tokens)
     depth: int = 4
     top_k_draft: int = 4  # children per expanded node (dynamic tree)
     total_tokens: int = 16  # draft nodes kept (dynamic tree)
@@ -146,7 +146,7 @@ class PremiseParams:
 
 @dataclass(config=STRICT)
 class TrainDrafterParams(TrainTargetParams):
-    """Baseline EAGLE-3 drafter training with the training-time test (lisa/drafter_train.py); cond_drop gives
+    """Baseline EAGLE-3 drafter training with the training-time test (lisa/training/drafter.py); cond_drop gives
     unconditional rows, so the drafter drafts for both halves of a CFG batch."""
     weight_decay: float = 0.0
     ttt_steps: int = 4  # unrolled drafting steps
@@ -160,7 +160,7 @@ class TrainDrafterParams(TrainTargetParams):
 
 @dataclass(config=STRICT)
 class TrainJudgeParams(TrainParams):
-    """The judges of sample quality (lisa/judges.py): a classifier (c2i) or a small open_clip CLIP (t2i)."""
+    """The judges of sample quality (lisa/quality/judges.py): a classifier (c2i) or a small open_clip CLIP (t2i)."""
     weight_decay: float = 0.05
     classifier_width: int = 64  # classifier: channels of its last conv block
     width: int = 128  # CLIP: transformer width of both towers
@@ -172,7 +172,7 @@ class TrainJudgeParams(TrainParams):
 
 @dataclass(config=STRICT)
 class CacheLogitsParams:
-    """The target logit cache (lisa/cache.py): a teacher-forced pass over a world's training codes -> Parquet."""
+    """The target logit cache (lisa/training/cache.py): a teacher-forced pass over a world's training codes -> Parquet."""
     K: int = 64  # top-K logits kept per position
     max_sequences: Optional[int] = 4096  # the first N training sequences (None = all)
     shard_size: int = 512  # sequences per shard (the unit of resumption and of work per torchrun rank)
@@ -189,7 +189,7 @@ class SelfGeneratedParams(SamplingParams):
 
 @dataclass(config=STRICT)
 class CorporaParams:
-    """Drafter training corpora (lisa/corpus.py): the laion-coco builder, its emoji fixture, self-generated."""
+    """Drafter training corpora (lisa/data/corpus.py): the laion-coco builder, its emoji fixture, self-generated."""
     laion_world: str = "emoji-t2i"  # the world whose tokenizer and caption encoder encode the laion-coco corpus
     laion_metadata: str = "data/corpora/laion-coco-fixture/metadata"  # folder of LAION-COCO metadata .parquet
     laion_images: str = "data/corpora/laion-coco-fixture/images"  # img2dataset output (parquet / tar / folder)
@@ -206,7 +206,7 @@ class CorporaParams:
 
 @dataclass(config=STRICT)
 class LIDParams:
-    """LISA's locality-informed distillation (lisa/distill.py, LIDConfig): every constant of the loss."""
+    """LISA's locality-informed distillation (lisa/training/distill.py, LIDConfig): every constant of the loss."""
     top_kc: int = 8
     radius: float = 0.3
     quantile: float = 0.5
@@ -235,7 +235,7 @@ class AblateLIDParams(SamplingParams):
 
 @dataclass(config=STRICT)
 class QualityParams:
-    """FID / KID settings shared by `fid-reference` and `evaluate` (lisa/fid.py, lisa/quality.py)."""
+    """FID / KID settings shared by `fid-reference` and `evaluate` (lisa/quality/fid.py, lisa/quality/metrics.py)."""
     max_images: int = 2000  # size of each reference set (held-out capped at its split size) and of unigram samples
     inception_batch: int = 50
     kid_subsets: int = 100
@@ -267,7 +267,7 @@ class BenchMethod:
     """One column of the speculative benchmark: a decoding method and its tree / window / knobs."""
     name: str  # the label in the report
     method: str = "vanilla"  # vanilla, or a verifier (greedy, exact, lantern with the drafter; sjd, gsd without)
-    tree: str = "dynamic"  # dynamic | static | chain | auto (lisa.costmodel picks depth and total_tokens here)
+    tree: str = "dynamic"  # dynamic | static | chain | auto (lisa.decoding.costmodel picks depth and total_tokens here)
     depth: int = 4
     top_k_draft: int = 4
     total_tokens: int = 16
@@ -278,7 +278,7 @@ class BenchMethod:
 
 @dataclass(config=STRICT)
 class AutoTreeParams:
-    """The cost model behind tree: auto (lisa/costmodel.py)."""
+    """The cost model behind tree: auto (lisa/decoding/costmodel.py)."""
     max_depth: int = 6  # the calibration tree: this depth, every drafted node kept
     sizes: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64])  # total_tokens tried
     calib_conditions: int = 4  # conditions decoded to learn acceptance and loop costs
@@ -301,7 +301,7 @@ class BenchSpecParams(SamplingParams):
 
 @dataclass(config=STRICT)
 class CalibrateParams:
-    """GASV's offline calibration (lisa/calibrate.py): clusters, budgets, neighbour table for one target."""
+    """GASV's offline calibration (lisa/training/calibrate.py): clusters, budgets, neighbour table for one target."""
     clusters: int = 64
     budget_quantile: float = 0.5
     min_count: int = 256

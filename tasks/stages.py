@@ -198,7 +198,7 @@ def table(params_path: str, root: str = ".") -> dict:
 @task(name="estimate")
 def estimate(params_path: str, gpu: str = "H200") -> str:
     """GPU memory and time of the run, from the params alone: logged before any stage starts."""
-    from lisa.estimate import estimate_markdown, missing_checkpoints
+    from lisa.bench.estimate import estimate_markdown, missing_checkpoints
 
     p = load_params(params_path)
     text = estimate_markdown(p, gpu)

@@ -19,7 +19,7 @@ def make_tiny_t5(path):
     import torch
     from transformers import AutoTokenizer, T5Config, T5EncoderModel
 
-    from lisa.text import minilm_path
+    from lisa.data.text import minilm_path
 
     tok = AutoTokenizer.from_pretrained(str(minilm_path()), local_files_only=True)  # any local tokenizer will do
     torch.manual_seed(0)

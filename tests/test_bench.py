@@ -1,11 +1,11 @@
 """The speculative benchmark: every method on the same conditions and seeds in one run, and its report."""
 import torch
 
-from lisa.bench import bench_speculative, speculative_markdown
+from lisa.bench.speed import bench_speculative, speculative_markdown
 from lisa.config import AutoTreeParams, BenchMethod
 from lisa.models.drafter import DrafterConfig, build_drafter
-from lisa.sampling import SamplingConfig
-from lisa.verify import Geometry
+from lisa.decoding.sampling import SamplingConfig
+from lisa.decoding.verify import Geometry
 from tests.helpers import micro_gpt
 
 METHODS = [
@@ -63,7 +63,7 @@ def test_sampling_bench_report_and_markdown():
 
 def test_gpu_bench_runs_small_on_the_cpu():
     """`lisa bench-gpu` on a tiny preset (the GPU run uses GPT-XL): every method, t(N), one table; bf16 decodes."""
-    from lisa.gpubench import GPUBenchConfig, gpu_bench, gpu_markdown
+    from lisa.bench.gpu import GPUBenchConfig, gpu_bench, gpu_markdown
 
     r = gpu_bench(GPUBenchConfig(preset="GPT-micro", image_tokens=16, vocab_size=64, dtype="bf16", repeats=1,
                                  conditions=1, forward_sizes=[1, 4]), device="cpu", progress=False)

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from lisa.cache import CacheError, CacheSpec, cache_schema, open_cache, same_schema, write_cache, write_manifest
+from lisa.training.cache import CacheError, CacheSpec, cache_schema, open_cache, same_schema, write_cache, write_manifest
 from lisa.checkpoint import file_sha256
 from tests.helpers import micro_gpt
 

@@ -7,11 +7,11 @@ import os
 import pytest
 import torch
 
-from lisa.cache import CacheSpec, open_cache, write_cache, write_manifest
-from lisa.calibrate import Calibration, CalibrateConfig, CalibrationError, calibrate, load_calibration, save_calibration
+from lisa.training.cache import CacheSpec, open_cache, write_cache, write_manifest
+from lisa.training.calibrate import Calibration, CalibrateConfig, CalibrationError, calibrate, load_calibration, save_calibration
 from lisa.checkpoint import file_sha256
-from lisa.tree import Tree, chain
-from lisa.verify import Geometry, VerifyContext, get_verifier, neighbour_table
+from lisa.decoding.tree import Tree, chain
+from lisa.decoding.verify import Geometry, VerifyContext, get_verifier, neighbour_table
 from tests.helpers import micro_gpt
 from tests.test_verify import V, emitted, tree_batch
 
@@ -59,7 +59,7 @@ def test_measured_tv_is_the_tv_of_what_is_sampled(name, options):
 @pytest.mark.parametrize("name", ["sjd", "gsd", "gasv"])
 def test_measured_tv_over_sampled_drafts(name):
     """Jacobi-style chains (one draft drawn from q per node): the law is taken over the draft too; SJD is exact."""
-    from lisa.verify import Geometry
+    from lisa.decoding.verify import Geometry
 
     B = 200_000
     g = torch.Generator().manual_seed(0)
@@ -109,9 +109,9 @@ def test_gasv_knobs():
 
 
 def test_gasv_in_speculative_decoding_with_cfg_and_batch():
-    from lisa.drafter_train import new_drafter
-    from lisa.generate import SpecConfig, speculative_generate
-    from lisa.sampling import SamplingConfig
+    from lisa.training.drafter import new_drafter
+    from lisa.decoding.generate import SpecConfig, speculative_generate
+    from lisa.decoding.sampling import SamplingConfig
 
     torch.manual_seed(0)
     target = micro_gpt()
@@ -190,7 +190,7 @@ def test_recalibration_trigger_is_content_not_mtime(tmp_path):
 
 def test_gasv_scores_follow_the_definition():
     """g = max(g_geo, g_clu) by hand for one node (a_kappa = a_lambda = 0: the knobs act as set)."""
-    from lisa.verify import gasv_scores
+    from lisa.decoding.verify import gasv_scores
 
     cal = tiny_calibration()
     logits = torch.tensor([[[2.0, 1.5, 0.0, -1.0, 0.5, 1.0]]])

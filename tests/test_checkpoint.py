@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lisa.checkpoint import CheckpointError, read_state_dict, save_artifact
-from lisa.load import import_llamagen_gpt, import_llamagen_vq, load_target
+from lisa.models.llamagen import import_llamagen_gpt, import_llamagen_vq, load_target
 from lisa.models.vq import VQModel, vq_config
 from tests.helpers import micro_gpt, micro_t2i
 

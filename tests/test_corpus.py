@@ -4,10 +4,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from lisa.corpus import (CorpusError, LaionFilter, build_laion_coco, build_self_generated, make_laion_fixture,
+from lisa.data.corpus import (CorpusError, LaionFilter, build_laion_coco, build_self_generated, make_laion_fixture,
                          read_corpus)
 from lisa.models.vq import VQModel
-from lisa.sampling import SamplingConfig
+from lisa.decoding.sampling import SamplingConfig
 from tests.helpers import micro_gpt
 
 
@@ -52,7 +52,7 @@ def test_laion_coco_build_filters_joins_and_encodes(tmp_path, vq, fmt):
     assert table.column("caption").to_pylist() == [rows[i]["top_caption"] for i in expect]
     assert table.schema.field("codes").type == pa.list_(pa.int16(), grid * grid)
     # the codes are the tokenizer's codes of the centre-cropped, resized image
-    from lisa.corpus import read_images, to_square
+    from lisa.data.corpus import read_images, to_square
 
     jpg = read_images(tmp_path / "src" / "images")[rows[expect[0]]["URL"]]
     x = torch.from_numpy(to_square(jpg, vq.config.image_size))[None].float() / 127.5 - 1

@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from lisa import costmodel
-from lisa.generate import SpecConfig, speculative_generate
+from lisa.decoding import costmodel
+from lisa.decoding.generate import SpecConfig, speculative_generate
 from lisa.models.drafter import DrafterConfig, build_drafter
-from lisa.sampling import SamplingConfig
+from lisa.decoding.sampling import SamplingConfig
 from tests.helpers import micro_gpt
 
 

@@ -4,7 +4,7 @@ import gzip
 import numpy as np
 import pytest
 
-from lisa import data
+from lisa.data import datasets as data
 
 
 def test_fashion_reads_real_files():

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from lisa.distill import LIDConfig, lid_loss, neighbourhood, veto_exponent
+from lisa.training.distill import LIDConfig, lid_loss, neighbourhood, veto_exponent
 
 
 def geometry():

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from lisa.config import TrainDrafterParams
-from lisa.drafter_train import new_drafter, train_drafter, ttt_mask
-from lisa.generate import generate
-from lisa.sampling import SamplingConfig
+from lisa.training.drafter import new_drafter, train_drafter, ttt_mask
+from lisa.decoding.generate import generate
+from lisa.decoding.sampling import SamplingConfig
 from tests.helpers import micro_gpt
 
 
@@ -36,7 +36,7 @@ def test_training_learns_and_resumes(tmp_path):
                              ttt_steps=3)
     torch.manual_seed(0)
     fresh = new_drafter(target)
-    from lisa.drafter_train import heldout_ttt
+    from lisa.training.drafter import heldout_ttt
 
     before = heldout_ttt(fresh, target, tokens[:32], cond[:32], cfg)
     torch.manual_seed(0)
@@ -49,7 +49,7 @@ def test_training_learns_and_resumes(tmp_path):
     half = TrainDrafterParams(**{**cfg.__dict__})
     torch.manual_seed(0)
     b = new_drafter(target)
-    import lisa.drafter_train as dt
+    import lisa.training.drafter as dt
 
     orig, calls = dt.save_resume, []
 
@@ -95,9 +95,9 @@ def test_taps_only_forward_matches_the_full_one():
 def test_training_from_a_logit_cache_learns(tmp_path, loss):
     """Labels from the Parquet logit cache (top-K), target run up to its highest tap: the baseline loss and
     LISA's LID both teach the drafter the target."""
-    from lisa.cache import CacheSpec, open_cache, write_cache, write_manifest
-    from lisa.distill import LIDConfig
-    from lisa.drafter_train import heldout_ttt
+    from lisa.training.cache import CacheSpec, open_cache, write_cache, write_manifest
+    from lisa.training.distill import LIDConfig
+    from lisa.training.drafter import heldout_ttt
 
     torch.manual_seed(0)
     target = micro_gpt(vocab_size=16)
@@ -156,7 +156,7 @@ def test_gradient_accumulation_computes_the_same_step(tmp_path):
 def test_curves_are_written_and_survive_a_resume(tmp_path):
     import pandas as pd
 
-    import lisa.drafter_train as dt
+    import lisa.training.drafter as dt
 
     target = peaked_target()
     tokens, cond = data(target, n=32)
@@ -194,7 +194,7 @@ def test_bf16_autocast_trains(tmp_path):
 
 def test_heldout_topk_mass_is_the_exact_acceptance_of_k_children():
     """heldout_topk_mass at TTT step 0 = sum of the target's probabilities over the drafter's top-k."""
-    from lisa.drafter_train import heldout_ttt, target_features
+    from lisa.training.drafter import heldout_ttt, target_features
 
     target = peaked_target()
     tokens, cond = data(target, n=8)
@@ -203,7 +203,7 @@ def test_heldout_topk_mass_is_the_exact_acceptance_of_k_children():
     cfg = TrainDrafterParams(ttt_steps=1, eval_batch_size=8, eval_topk=3)
     m = heldout_ttt(d, target, tokens, cond, cfg)
     hidden, p = target_features(target, cond, tokens, None, tuple(d.config.taps))
-    from lisa.drafter_train import ttt_losses
+    from lisa.training.drafter import ttt_losses
 
     seen = []
     ttt_losses(d, hidden, p, tokens, 1, target.config.cls_token_num,

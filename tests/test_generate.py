@@ -1,8 +1,8 @@
 """Vanilla decoding: it samples what teacher forcing says, with and without CFG, batched, reproducibly."""
 import torch
 
-from lisa.generate import generate
-from lisa.sampling import SamplingConfig, cfg_logits
+from lisa.decoding.generate import generate
+from lisa.decoding.sampling import SamplingConfig, cfg_logits
 from tests.helpers import micro_gpt, micro_t2i
 
 

@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lisa.load import import_llamagen_gpt, import_llamagen_vq
-from lisa.sampling import SamplingConfig, cfg_logits, sample
+from lisa.models.llamagen import import_llamagen_gpt, import_llamagen_vq
+from lisa.decoding.sampling import SamplingConfig, cfg_logits, sample
 
 ASSETS = Path(__file__).parent / "assets"
 ATOL = 1e-5

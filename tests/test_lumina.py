@@ -1,4 +1,4 @@
-"""Lumina-mGPT / Chameleon targets (lisa/lumina.py): a tiny random transformers Chameleon checkpoint, written to
+"""Lumina-mGPT / Chameleon targets (lisa/models/lumina.py): a tiny random transformers Chameleon checkpoint, written to
 a local directory and read back with no network, gives transformers' logits; the image grammar sits exactly in
 place in vanilla and speculative decoding (with CFG, batch > 1); batched CFG equals Lumina-mGPT's sequential
 passes; a checkpoint with the wrong vocabulary size is a clear error."""
@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from lisa.checkpoint import CheckpointError
-from lisa.drafter_train import new_drafter
-from lisa.generate import SpecConfig, generate, speculative_generate
-from lisa.lumina import (LuminaGrammar, chameleon_codebook, encode_prompts, geometry_codebook,
+from lisa.training.drafter import new_drafter
+from lisa.decoding.generate import SpecConfig, generate, speculative_generate
+from lisa.models.lumina import (LuminaGrammar, chameleon_codebook, encode_prompts, geometry_codebook,
                          guided_logits_sequential, import_chameleon)
-from lisa.sampling import SamplingConfig, cfg_logits
+from lisa.decoding.sampling import SamplingConfig, cfg_logits
 from tests.helpers import make_tiny_lumina, make_tiny_vqgan
 
 K = 16  # a tiny codebook: random drafts are sometimes right, so speculative rounds accept
@@ -78,7 +78,7 @@ def test_grammar_in_place_vanilla_and_speculative(lumina_dir, target, cfg_scale)
     drafter = new_drafter(target).eval()
     runs = {"vanilla": generate(target, ids, sampling, torch.Generator().manual_seed(0), cond_mask=mask,
                                 forced=forced)[0]}
-    from lisa.verify import Geometry
+    from lisa.decoding.verify import Geometry
 
     # a relaxed verifier too: LANTERN moves mass between codebook neighbours, never onto a grammar id
     geometry = Geometry.from_codebook(geometry_codebook(chameleon_codebook(lumina_dir), target.config.vocab_size), 8)
@@ -145,7 +145,7 @@ def test_init_target_imports_a_lumina_directory(lumina_dir, target, tmp_path):
     from dataclasses import asdict
 
     from lisa.config import InitTargetParams, WorldParams
-    from lisa.load import load_target
+    from lisa.models.llamagen import load_target
     from lisa.stages import init_target
 
     world = WorldParams(target=asdict(target.config), tokenizer={"preset": "VQ-micro"},
@@ -178,7 +178,7 @@ def test_chameleon_vqgan_import_matches_transformers_encoder(lumina_dir, tmp_pat
     error."""
     from transformers import ChameleonForConditionalGeneration
 
-    from lisa.lumina import import_chameleon_vq
+    from lisa.models.lumina import import_chameleon_vq
 
     hf = ChameleonForConditionalGeneration.from_pretrained(str(lumina_dir), local_files_only=True).eval()
     with pytest.raises(CheckpointError, match="has no decoder"):

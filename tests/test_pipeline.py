@@ -127,7 +127,7 @@ def test_prefect_flow_micro_and_recalibration(tmp_path):
     from flows.lisa_full import lisa_full
     from flows.recalibrate import recalibrate
     from lisa.checkpoint import file_sha256, save_artifact
-    from lisa.load import load_target
+    from lisa.models.llamagen import load_target
 
     repo = micro_repo(tmp_path)
     with prefect_test_harness(server_startup_timeout=180):  # generous: CI machines may be busy
@@ -202,7 +202,7 @@ def test_dvc_repro_lumina_world(tmp_path):
     and the table all run on them, and every emitted sequence keeps the image grammar in place."""
     import yaml
 
-    from lisa.lumina import import_chameleon
+    from lisa.models.lumina import import_chameleon
     from tests.helpers import make_tiny_lumina, make_tiny_vqgan
     from tests.test_real_data import coco_folder
 
@@ -212,7 +212,7 @@ def test_dvc_repro_lumina_world(tmp_path):
     val, val_caps = coco_folder(tmp_path / "coco" / "val2017", 8, 500)
     # 16 px images at the VQGAN's downsample 2 -> 8 x 8 codes: a grid of 8 (image_size 128 at Lumina's 16 px / code)
     cfg = import_chameleon(lumina, image_size=128, prompt_len=24,
-                           grammar=__import__("lisa.lumina", fromlist=["LuminaGrammar"]).LuminaGrammar(16, max_grid=8)).config
+                           grammar=__import__("lisa.models.lumina", fromlist=["LuminaGrammar"]).LuminaGrammar(16, max_grid=8)).config
     repo = micro_repo(tmp_path)
     params = yaml.safe_load(profile_text("micro"))
     from dataclasses import asdict

@@ -3,7 +3,7 @@ import math
 
 import torch
 
-from lisa.premise import neighbour_table, premise_stats
+from lisa.quality.premise import neighbour_table, premise_stats
 from tests.helpers import micro_gpt
 
 

@@ -3,7 +3,9 @@ judges (classifier, open_clip CLIP), and resumable caching."""
 import pytest
 import torch
 
-from lisa import fid, judges, quality
+from lisa.quality import fid
+from lisa.quality import judges
+from lisa.quality import metrics as quality
 from lisa.config import TrainJudgeParams
 
 
@@ -35,7 +37,7 @@ def test_inception_extractor_through_torch_fidelity():
 
 
 def quality_dataset(images):
-    from lisa.fid import _Images
+    from lisa.quality.fid import _Images
 
     return _Images(images)
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from lisa import data
+from lisa.data import datasets as data
 from lisa.config import (BuildDatasetParams, DatasetParams, EncodeParams, SampleParams, TrainTargetParams,
                          TrainTokenizerParams, WorldParams)
 from lisa.models.gpt import Transformer, gpt_config

@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from lisa import data
+from lisa.data import datasets as data
 from lisa.cli import main
 from lisa.config import SampleParams, WorldParams, load_params, profile_text
-from lisa.estimate import estimate_world
+from lisa.bench.estimate import estimate_world
 
 
 def test_real_profile_parses_and_estimates(tmp_path, capsys):

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from lisa.sampling import SamplingConfig, cfg_logits, filter_logits, logits_to_probs, sample, sample_from
+from lisa.decoding.sampling import SamplingConfig, cfg_logits, filter_logits, logits_to_probs, sample, sample_from
 
 
 def test_cfg_arithmetic_cond_first():

@@ -3,9 +3,9 @@ CFG, batch > 1 with per-row acceptance, c2i and t2i); sampling runs with every v
 import pytest
 import torch
 
-from lisa.generate import SpecConfig, generate, speculative_generate
+from lisa.decoding.generate import SpecConfig, generate, speculative_generate
 from lisa.models.drafter import DrafterConfig, build_drafter
-from lisa.sampling import SamplingConfig
+from lisa.decoding.sampling import SamplingConfig
 from tests.helpers import micro_gpt, micro_t2i
 
 
@@ -56,8 +56,8 @@ def test_sampling_runs_and_is_reproducible():
 
 @pytest.mark.parametrize("verifier", ["sjd", "gsd"])
 def test_jacobi_greedy_equals_vanilla(verifier):
-    from lisa.generate import jacobi_generate
-    from lisa.verify import Geometry
+    from lisa.decoding.generate import jacobi_generate
+    from lisa.decoding.verify import Geometry
 
     target = micro_gpt(vocab_size=8)
     greedy = SamplingConfig(temperature=0.0, cfg_scale=2.0)
@@ -70,8 +70,8 @@ def test_jacobi_greedy_equals_vanilla(verifier):
 
 def target_joint(target, s, V, cls=5):
     """The exact distribution of 3-token sequences under the target with sampling config s."""
-    from lisa.generate import guided
-    from lisa.sampling import logits_to_probs
+    from lisa.decoding.generate import guided
+    from lisa.decoding.sampling import logits_to_probs
 
     seqs = torch.cartesian_prod(torch.arange(V), torch.arange(V), torch.arange(V))
     with torch.no_grad():
@@ -93,7 +93,7 @@ def assert_follows(out, joint, V):
 
 
 def test_sjd_sampling_matches_the_target_joint():
-    from lisa.generate import jacobi_generate
+    from lisa.decoding.generate import jacobi_generate
 
     torch.manual_seed(1)
     V, B = 4, 30_000
@@ -130,8 +130,8 @@ def test_sample_stage_takes_a_method(tmp_path):
     from lisa import stages
     from lisa.checkpoint import save_artifact
     from lisa.config import parse_params, profile_text
-    from lisa.drafter_train import new_drafter
-    from lisa.load import load_target
+    from lisa.training.drafter import new_drafter
+    from lisa.models.llamagen import load_target
 
     p = parse_params(yaml.safe_load(profile_text("micro")))
     world = p.world("fashion-c2i")
@@ -159,8 +159,8 @@ def test_sample_stage_takes_a_method(tmp_path):
 def test_forced_grammar_tokens_every_method():
     """Grammar tokens (say an end-of-line token 7 after every row of 4) appear exactly where forced, with vanilla,
     speculative (tree and chain) and Jacobi decoding; greedy speculative still equals greedy vanilla."""
-    from lisa.generate import jacobi_generate
-    from lisa.verify import Geometry
+    from lisa.decoding.generate import jacobi_generate
+    from lisa.decoding.verify import Geometry
 
     torch.manual_seed(0)
     target = micro_gpt(vocab_size=8)

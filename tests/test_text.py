@@ -3,7 +3,7 @@ T5 in the same transformers format), left-padded to LlamaGen's prefix with its m
 import pytest
 import torch
 
-from lisa.text import CaptionEncoder, minilm_path
+from lisa.data.text import CaptionEncoder, minilm_path
 from tests.helpers import make_tiny_t5
 
 
@@ -33,9 +33,9 @@ def test_t5_prefix_is_left_padded_with_its_mask(tiny_t5):
 
 
 def test_t5_features_drive_a_t2i_target_with_cfg(tiny_t5):
-    from lisa.generate import generate
+    from lisa.decoding.generate import generate
     from lisa.models.gpt import Transformer, gpt_config
-    from lisa.sampling import SamplingConfig
+    from lisa.decoding.sampling import SamplingConfig
 
     enc = CaptionEncoder(tiny_t5)
     feats, mask = enc.encode_t5(["a blue car", "a dog on grass"], length=12)

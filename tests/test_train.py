@@ -3,7 +3,7 @@ import torch
 
 from lisa.config import TrainTargetParams, TrainTokenizerParams
 from lisa.models.vq import VQModel, vq_config
-from lisa.train import train_gpt, train_vq
+from lisa.training.loops import train_gpt, train_vq
 from tests.helpers import micro_gpt
 
 
@@ -13,7 +13,7 @@ def vq_run(work, steps_to_run, images):
     torch.manual_seed(0)
     model = VQModel(vq_config("VQ-micro"))
     if steps_to_run < cfg.steps:  # simulate a kill after `steps_to_run` steps: train a shorter run, same identity
-        import lisa.train as tr
+        import lisa.training.loops as tr
 
         stop = {"n": 0}
         orig = tr.save_resume

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from lisa.tree import Tree, chain, dynamic_tree, select
+from lisa.decoding.tree import Tree, chain, dynamic_tree, select
 
 
 def small_tree():
@@ -103,7 +103,7 @@ def test_ancestor_mask_on_random_trees():
 
 
 def test_static_choices_and_tree():
-    from lisa.tree import static_choices, static_tree
+    from lisa.decoding.tree import static_choices, static_tree
 
     ch = static_choices(depth=3, top_k=3, total_tokens=8)
     assert ch[:4] == [(0,), (0, 0), (0, 0, 0), (1,)] and len(ch) == 8

@@ -4,8 +4,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from lisa.tree import Tree, chain
-from lisa.verify import VerifyContext, children_table, get_verifier
+from lisa.decoding.tree import Tree, chain
+from lisa.decoding.verify import VerifyContext, children_table, get_verifier
 
 V = 6
 
@@ -97,7 +97,7 @@ def test_greedy_follows_argmax():
 
 
 def test_lantern_boost_budgets():
-    from lisa.verify import lantern_boost
+    from lisa.decoding.verify import lantern_boost
 
     r = torch.tensor([[0.4, 0.05, 0.1, 0.2, 0.25]])
     nn = torch.tensor([[1, 2, 3, 4]] * 5)  # code 0's neighbours in order 1, 2, 3, 4
@@ -110,7 +110,7 @@ def test_lantern_boost_budgets():
 def test_lantern_relaxes_towards_neighbours():
     """With delta = 0, lantern is exact; with a budget it accepts more, and its output distribution moves mass
     from the neighbours of drafted tokens onto the drafts (measured, not assumed)."""
-    from lisa.verify import Geometry
+    from lisa.decoding.verify import Geometry
 
     B = 100_000
     tree, p, p0, _ = tree_batch(B, sampled=False)

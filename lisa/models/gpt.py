@@ -17,13 +17,13 @@ Beyond LlamaGen (what speculative decoding needs):
     (B|1, S, K) bool attention mask over cache slots for a block of new tokens (K <= cache length).
   * `taps`: hidden states after chosen blocks (EAGLE-3 fuses a low, a middle and a high layer).
 
-`arch="chameleon"` is the Chameleon-7B / Lumina-mGPT stack (lisa/lumina.py imports transformers' checkpoints):
+`arch="chameleon"` is the Chameleon-7B / Lumina-mGPT stack (lisa/models/lumina.py imports transformers' checkpoints):
 1D RoPE over sequence positions, a per-head LayerNorm of queries and keys (`qk_norm`), optionally Swin-style
 post-norms (`swin_norm`), and `model_type="lm"`: the condition is the prompt's text token ids (B, C), left padded,
 embedded with the same table as everything else (`text_vocab_size` rows). Our token ids are a compact vocabulary
 (`vocab_size`: the image codes first, then the image grammar tokens) mapped onto the checkpoint's ids by the
 `token_ids` buffer; the output head holds just those rows, and logits of ids >= `free_vocab` (the grammar) are
-pushed to -1e4 so that only image codes are ever sampled (the grammar is forced: lisa.generate.force_tokens).
+pushed to -1e4 so that only image codes are ever sampled (the grammar is forced: lisa.decoding.generate.force_tokens).
 The RoPE pairs are stored interleaved like LlamaGen's: the importer permutes the query / key rows of each head
 from transformers' rotate-half layout, which leaves every attention score unchanged.
 """
@@ -362,7 +362,7 @@ class CaptionEmbedder(nn.Module):
 def image_grammar(codebook_size: int, h: int, w: int) -> Tensor:
     """The forced-token vector (4 + h (w + 1),) of an lm target's h x w image in our ids (codes 0..K-1, then SOI = K,
     EOI = K + 1, EOL = K + 2, size token of grid g = K + 3 + g): SOI, size(h), size(w), h rows of w codes (-1:
-    sampled) each followed by EOL, EOI. lisa.lumina.LuminaGrammar names the layout."""
+    sampled) each followed by EOL, EOI. lisa.models.lumina.LuminaGrammar names the layout."""
     K = codebook_size
     rows = torch.full((h, w + 1), -1, dtype=torch.long)
     rows[:, w] = K + 2
@@ -385,7 +385,7 @@ def square_image_grammar(codebook_size: int, block_size: int) -> Tensor:
 
 class PromptEmbedder(nn.Module):
     """lm: the prompt is text token ids (B, C) read through the model's own embedding table (no extra weights);
-    the unconditional CFG row is the same prompt with every prefix position masked out (lisa.generate)."""
+    the unconditional CFG row is the same prompt with every prefix position masked out (lisa.decoding.generate)."""
 
     def __init__(self, table: nn.Embedding):
         super().__init__()
@@ -409,7 +409,7 @@ class Transformer(nn.Module):
             self.cls_embedding = PromptEmbedder(self.tok_embeddings)
             # our id -> the checkpoint's id (image codes, then grammar tokens); persistent: saved with the weights
             self.register_buffer("token_ids", torch.arange(cfg.vocab_size))
-            # the forced image grammar every decode loop applies (lisa.generate.force_tokens)
+            # the forced image grammar every decode loop applies (lisa.decoding.generate.force_tokens)
             self.register_buffer("grammar", square_image_grammar(cfg.free_vocab, cfg.block_size), persistent=False)
         else:  # (registration order = init order: kept as it was, so seeded models stay the same)
             self.cls_embedding = LabelEmbedder(cfg) if cfg.model_type == "c2i" else CaptionEmbedder(cfg)
@@ -457,8 +457,8 @@ class Transformer(nn.Module):
 
     def split_cond(self, cond: Tensor, cond_mask: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
         """A condition packed with its mask -> (condition, mask): t2i features (B, C, caption_dim + 1) whose last
-        channel is the mask (lisa.text.pack_caption); lm prompt ids (B, C) with -1 at padded positions
-        (lisa.lumina.encode_prompts). Anything else passes through with the mask given."""
+        channel is the mask (lisa.data.text.pack_caption); lm prompt ids (B, C) with -1 at padded positions
+        (lisa.models.lumina.encode_prompts). Anything else passes through with the mask given."""
         packed = None
         if self.config.model_type == "t2i" and cond.dim() == 3 and cond.shape[-1] == self.config.caption_dim + 1:
             cond, packed = cond[..., :-1], cond[..., -1] > 0.5

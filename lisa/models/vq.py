@@ -1,7 +1,7 @@
 """LlamaGen-compatible VQ image tokenizer (VQ-16: conv encoder/decoder, an 8-d L2-normalised codebook).
 
 The same stack with `level_attn=False` and a 256-d unnormalised codebook is Chameleon's VQGAN (Lumina-mGPT's
-image tokenizer, taming-transformers layout): lisa.lumina.import_chameleon_vq maps its keys onto these.
+image tokenizer, taming-transformers layout): lisa.models.lumina.import_chameleon_vq maps its keys onto these.
 
 Architecture only, with LlamaGen's module and key names (`encoder.conv_blocks.{i}.res.{j}...`, `quantize.embedding`,
 `quant_conv`, `post_quant_conv`) so that `vq_ds16_{c2i,t2i}.pt` loads as is. Images are (B, 3, H, W) in [-1, 1];

@@ -14,11 +14,11 @@ from typing import Callable, Optional
 import torch
 from tqdm import tqdm
 
-from lisa import costmodel
-from lisa.costmodel import sync
-from lisa.generate import SpecConfig, decoder, generate, prefix_embeddings, speculative_generate
+from lisa.decoding import costmodel
+from lisa.decoding.costmodel import sync
+from lisa.decoding.generate import SpecConfig, decoder, generate, prefix_embeddings, speculative_generate
 from lisa.models.gpt import Transformer
-from lisa.sampling import SamplingConfig
+from lisa.decoding.sampling import SamplingConfig
 
 
 @torch.inference_mode()
@@ -137,7 +137,7 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
     `warmup` passes. drafter: one drafter, or {BenchMethod.drafter: drafter} when methods use different ones.
     conditions: dicts {"label", "cond" (b, ...), "cond_mask" or None}; methods: BenchMethod-like
     (name, method, tree, depth, top_k_draft, total_tokens, window, options). Each (condition, pass) has one seed
-    shared by all methods. A method with tree "auto" is first resolved by the cost model (lisa.costmodel) on the
+    shared by all methods. A method with tree "auto" is first resolved by the cost model (lisa.decoding.costmodel) on the
     first `auto.calib_conditions` conditions. Returns the report dict (see `speculative_markdown`)."""
     device = next(target.parameters()).device
     rows = (2 if sampling.use_cfg else 1) * conditions[0]["cond"].shape[0]
@@ -268,7 +268,7 @@ def auto_tree(target: Transformer, drafter, conditions: list[dict], m, sampling:
               geometry, auto, progress: bool = True):
     """Resolve tree "auto" for method m: decode `conditions` with vanilla, with the full calibration tree (traced:
     acceptance) and with a small tree (loop costs), time bare forwards, and pick the (depth, total_tokens) of
-    highest predicted speedup (lisa.costmodel.choose)."""
+    highest predicted speedup (lisa.decoding.costmodel.choose)."""
     device = next(target.parameters()).device
     rows = (2 if sampling.use_cfg else 1) * conditions[0]["cond"].shape[0]
     k, D = m.top_k_draft, auto.max_depth

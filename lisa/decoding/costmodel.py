@@ -13,7 +13,7 @@ calibration run with the largest tree (depth max_depth, every drafted node kept)
 scores and the accepted path. A tree of depth d and N nodes is the top-N nodes of depth <= d of that tree (the
 dynamic tree keeps nodes by cumulative draft log-probability, and an ancestor always outranks its child), so the
 path it would accept is the prefix of the recorded path whose nodes it holds. For greedy verification this is
-exact; for `exact` it is exact in distribution when siblings are tried in score order (lisa.verify.walk): the
+exact; for `exact` it is exact in distribution when siblings are tried in score order (lisa.decoding.verify.walk): the
 smaller tree holds a prefix of each node's siblings, and each sibling's acceptance test is the same.
 
 speedup(d, N) = tau(d, N) * t_vanilla / t_round(d, N), t_vanilla = one vanilla decode step (forward + sampling).

@@ -13,7 +13,7 @@ The image grammar (LumImage grammar of Lumina-mGPT, see ANCHORS.md): start-of-im
 768 x 768 px = 48 x 48 codes + 48 EOL + 4 = 2356 tokens. Our compact vocabulary puts the image codes first
 (id = code, so the VQ codebook is the geometry of ids 0..K-1 unchanged) and the grammar tokens after them;
 `Transformer.token_ids` maps it onto the checkpoint's ids. `LuminaGrammar.forced(h, w)` is the engine's grammar
-vector (lisa.generate.force_tokens): grammar positions are forced, never sampled, drafted freely or verified.
+vector (lisa.decoding.generate.force_tokens): grammar positions are forced, never sampled, drafted freely or verified.
 
 CFG as in Lumina-mGPT: the unconditional row is the image part alone (every prompt position masked out),
 batched with the conditional rows in one KV cache; `guided_logits_sequential` runs the two rows as separate
@@ -377,7 +377,7 @@ def guided_logits_sequential(model: Transformer, prompt: Tensor, prompt_mask: Te
                              cfg_scale: float) -> Tensor:
     """Guided logits (B, T, V) of a teacher-forced sequence, the conditional and the unconditional (image part
     only) passes run separately, as Lumina-mGPT does. The decode loops batch them; this is the reference."""
-    from lisa.sampling import cfg_logits
+    from lisa.decoding.sampling import cfg_logits
 
     c = model.teacher_forced(prompt, tokens, cond_mask=prompt_mask).logits
     drop = torch.ones(prompt.shape[0], dtype=torch.bool, device=prompt.device)

@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from lisa.tree import Tree
+from lisa.decoding.tree import Tree
 
 
 @dataclass
@@ -226,7 +226,7 @@ class Geometry:
     nearest first (LANTERN's table; cosine order = L2 order on the sphere), and the codebook itself (V, d)."""
     neighbours: Tensor
     codebook: Optional[Tensor] = None
-    calibration: Any = None  # lisa.calibrate.Calibration with the target's whitened head rows (gasv)
+    calibration: Any = None  # lisa.training.calibrate.Calibration with the target's whitened head rows (gasv)
 
     @classmethod
     def from_codebook(cls, codebook: Tensor, k: int) -> "Geometry":
@@ -295,7 +295,7 @@ def lantern(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Drafter-free baselines on a chain of Jacobi drafts (lisa.generate.jacobi_generate): tree.q[:, i] is the
+# Drafter-free baselines on a chain of Jacobi drafts (lisa.decoding.generate.jacobi_generate): tree.q[:, i] is the
 # distribution draft i was sampled from (the target's own, one iteration earlier; uniform for fresh positions).
 
 
@@ -424,7 +424,7 @@ def gasv(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
     cal = getattr(ctx.geometry, "calibration", None)
     if cal is None or ctx.logits is None:
         raise ValueError("gasv needs the target's raw guided logits and a calibration (VerifyContext.geometry = "
-                         "Geometry(..., calibration=lisa.calibrate.load_calibration(...)))")
+                         "Geometry(..., calibration=lisa.training.calibrate.load_calibration(...)))")
     if cal.head.shape[0] != ctx.p.shape[-1]:
         raise ValueError(f"gasv: calibration covers {cal.head.shape[0]} tokens, the target's vocabulary has "
                          f"{ctx.p.shape[-1]}")

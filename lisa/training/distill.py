@@ -1,6 +1,6 @@
 """Locality-informed distillation (LID): LISA's drafter loss (../shared/docs/LISA.md, training side).
 
-Per position (b, t), with the target's cached top-K (lisa.cache: ids, logits, logsumexp) and the drafter's logits:
+Per position (b, t), with the target's cached top-K (lisa.training.cache: ids, logits, logsumexp) and the drafter's logits:
 
 1. Locality-aware selection. The target's top-Kc tokens, weighted by their probabilities (renormalised over the
    Kc), give the centroid c of their L2-normalised codebook embeddings (c normalised too). The neighbourhood N =
@@ -21,7 +21,7 @@ Per position (b, t), with the target's cached top-K (lisa.cache: ids, logits, lo
               holding `kernel_p` of its probability (within the cached top-K), p~t renormalised on S;
        L_KD = tau_s^2 * sum w * KL(p~t || p~s on J) / sum w.
 Every constant is a field of LIDConfig (params.yaml `lid`). The baseline EAGLE-3 loss (soft CE to the full target
-distribution) stays in lisa.drafter_train.soft_ce.
+distribution) stays in lisa.training.drafter.soft_ce.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ Reference sets (stage `fid-reference`, once per tokenizer and dataset), each of 
   * unigram: images whose tokens are drawn independently from the training codes' frequency at each position,
     the baseline a target must clearly beat.
 `evaluate` samples `num_samples` CFG images from the target (classes in turn, or held-out captions in turn),
-measures FID / KID against the held-out features and scores them with the judge (lisa/judges.py).
+measures FID / KID against the held-out features and scores them with the judge (lisa/quality/judges.py).
 Long feature extractions are cached per set under a work folder, so a killed stage resumes where it stopped.
 """
 from __future__ import annotations
@@ -21,10 +21,10 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from lisa import fid
+from lisa.quality import fid
 from lisa.checkpoint import atomic_write, read_state_dict
-from lisa.generate import generate
-from lisa.sampling import SamplingConfig
+from lisa.decoding.generate import generate
+from lisa.decoding.sampling import SamplingConfig
 
 
 def to_uint8(images: torch.Tensor) -> torch.Tensor:

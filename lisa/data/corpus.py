@@ -187,7 +187,7 @@ def build_laion_coco(metadata: list[Path], images: Path, vq, vq_sha256: str, enc
                 codes.append(vq.encode(x.float() / 127.5 - 1).flatten(1).to(torch.int16))
         codes = torch.cat(codes)
         caps = [captions[i] for i in sel]
-        feats = encoder.features(caps, cls_token_num).flatten(1).half()  # T5: the mask packed in (lisa.text)
+        feats = encoder.features(caps, cls_token_num).flatten(1).half()  # T5: the mask packed in (lisa.data.text)
         return table_of([str(meta["hash"][i]) for i in sel], caps, [-1] * len(sel), codes, feats)
 
     write_shards(out, len(rows), shard_size, make_shard, "build laion-coco")
@@ -220,7 +220,7 @@ def make_laion_fixture(out: Path, n: Optional[int] = None, seed: int = 0, image_
     webdataset or files). Every small_every-th image is stored as a 24 px thumbnail (WIDTH / HEIGHT say so) and
     every failed_every-th row is a failed download; punsafe, pwatermark and similarity are seeded random draws
     (3% of rows unsafe, 5% watermarked, the similarity uniform on [0.2, 0.45])."""
-    from lisa import data
+    from lisa.data import datasets as data
 
     rng = np.random.default_rng(seed)
     entries = itertools.chain(data.emoji_split("train", image_size=72), data.emoji_split("test", image_size=72))
@@ -283,9 +283,9 @@ def make_laion_fixture(out: Path, n: Optional[int] = None, seed: int = 0, image_
 def build_self_generated(target, target_sha256: str, cond: torch.Tensor, labels: list[int], captions: list[str],
                          sampling, seed: int, out: Path, shard_size: int = 256, batch_size: int = 64) -> dict:
     """The target's own samples: one sequence per row of `cond` (class ids (N,) or caption features (N, C, D)),
-    sampled with `sampling` (lisa.sampling.SamplingConfig) and a generator seeded per shard (resumable: a shard
+    sampled with `sampling` (lisa.decoding.sampling.SamplingConfig) and a generator seeded per shard (resumable: a shard
     is the same whichever run writes it)."""
-    from lisa.generate import generate
+    from lisa.decoding.generate import generate
 
     n = len(cond)
     t2i, lm = cond.dim() == 3, cond.dim() == 2  # caption features / prompt ids (lm targets)

@@ -1,8 +1,8 @@
-"""Offline calibration of GASV for one target checkpoint (LISA, inference side): what `lisa.verify.gasv` reads.
+"""Offline calibration of GASV for one target checkpoint (LISA, inference side): what `lisa.decoding.verify.gasv` reads.
 
 From the target's output head W (V, D) (the rows that score the image tokens) and its codebook:
   * invstd (D,): 1 / std over the V rows of each dimension of W; the whitened rows W * invstd are where the
-    geometric drift is measured (s_geo in lisa/verify.py);
+    geometric drift is measured (s_geo in lisa/decoding/verify.py);
   * clusters: k-means (scikit-learn, k-means++ init, `clusters` clusters) on the whitened rows: cluster (V,);
   * budgets beta_c (C,): on a calibration pass over the logit cache (`lisa cache-logits`: the target's top-K
     logits on real sequences, conditional passes, up to `positions` positions), the drift of every cached
@@ -90,8 +90,8 @@ def drift_scores(topk_idx: Tensor, topk_logit: Tensor, W: Tensor, eps: float) ->
 def calibrate(head: Tensor, codebook: Tensor, cache, cfg: CalibrateConfig, made_from: dict,
               progress: bool = True) -> Calibration:
     """Fit a calibration (see the module docstring). head: (V, D) output-head rows of the image tokens; cache: an
-    opened lisa.cache.LogitCache of the same target."""
-    from lisa.verify import neighbour_table
+    opened lisa.training.cache.LogitCache of the same target."""
+    from lisa.decoding.verify import neighbour_table
 
     t0 = time.perf_counter()
     V = head.shape[0]

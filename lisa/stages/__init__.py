@@ -21,23 +21,27 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from lisa import cache, data, fid, judges, quality
-from lisa.bench import auto_tree, bench_speculative, bench_vanilla, markdown_table, speculative_markdown
+from lisa.training import cache
+from lisa.data import datasets as data
+from lisa.quality import fid
+from lisa.quality import judges
+from lisa.quality import metrics as quality
+from lisa.bench.speed import auto_tree, bench_speculative, bench_vanilla, markdown_table, speculative_markdown
 from lisa.checkpoint import (CheckpointError, atomic_write, file_sha256, load_artifact, read_state_dict, save_artifact,
                              write_json)
 from lisa.config import (AblateLIDParams, AutoTreeParams, BenchMethod, BenchParams, BenchSpecParams, BuildDatasetParams,
                          CacheLogitsParams, CalibrateParams, TableParams, CorporaParams, EncodeParams, EvaluateParams, InitTargetParams, InitTokenizerParams,
                          PremiseParams, QualityParams, SampleParams, SelfGeneratedParams, TrainDrafterParams, TrainJudgeParams,
                          TrainTargetParams, TrainTokenizerParams, WorldParams)
-from lisa.generate import generate
-from lisa.images import save_grid
-from lisa.load import import_llamagen_gpt, import_llamagen_vq, load_target, load_tokenizer
+from lisa.decoding.generate import generate
+from lisa.data.images import save_grid
+from lisa.models.llamagen import import_llamagen_gpt, import_llamagen_vq, load_target, load_tokenizer
 from lisa.models.gpt import Transformer, gpt_config, grammar_grid
 from lisa.models.vq import VQModel
-from lisa.premise import premise_stats
-from lisa.sampling import SamplingConfig
-from lisa.text import CaptionEncoder
-from lisa.train import evaluate_vq, heldout_nll, train_gpt, train_vq
+from lisa.quality.premise import premise_stats
+from lisa.decoding.sampling import SamplingConfig
+from lisa.data.text import CaptionEncoder
+from lisa.training.loops import evaluate_vq, heldout_nll, train_gpt, train_vq
 
 TARGET_FILE = "model.safetensors"
 CALIBRATION_FILE = "calibration.safetensors"
@@ -128,7 +132,7 @@ def text_encoder(world: WorldParams, cfg):
     packed with their mask) for t2i; for lm targets (Lumina-mGPT) the prompt ids of the checkpoint's own tokenizer,
     -1 at padding."""
     if cfg.model_type == "lm":
-        from lisa.lumina import prompt_encoder
+        from lisa.models.lumina import prompt_encoder
 
         if not world.target_checkpoint:
             raise ValueError("an lm (Lumina-mGPT) world needs target_checkpoint: its tokenizer encodes the prompts")
@@ -155,9 +159,9 @@ def _caption_cond(t: dict, idx: torch.Tensor) -> torch.Tensor:
 
 def target_codebook(vq, cfg) -> torch.Tensor:
     """The geometry of the target's vocabulary: the VQ codebook, extended for an lm target's grammar ids
-    (lisa.lumina.geometry_codebook)."""
+    (lisa.models.lumina.geometry_codebook)."""
     if cfg.model_type == "lm":
-        from lisa.lumina import geometry_codebook
+        from lisa.models.lumina import geometry_codebook
 
         return geometry_codebook(vq.codebook(), cfg.vocab_size)
     return vq.codebook()
@@ -186,7 +190,7 @@ def image_tokenizer(vq, cfg):
 def init_target(world: WorldParams, p: InitTargetParams, out_dir: str | Path) -> dict:
     """Target artifact for a world: imported from `world.target_checkpoint` if set (an official LlamaGen .pt, or a
     Lumina-mGPT / Chameleon transformers directory), else seeded random init."""
-    from lisa.lumina import LuminaGrammar, import_chameleon, is_chameleon_dir
+    from lisa.models.lumina import LuminaGrammar, import_chameleon, is_chameleon_dir
 
     torch.manual_seed(p.seed)
     if world.target_checkpoint and is_chameleon_dir(world.target_checkpoint):
@@ -221,7 +225,7 @@ def init_tokenizer(world: WorldParams, p: InitTokenizerParams, out_dir: str | Pa
     """Tokenizer artifact for a world: imported from `world.tokenizer_checkpoint` if set, else random init."""
     torch.manual_seed(p.seed)
     if world.tokenizer_checkpoint and world.target.get("arch") == "chameleon":  # Lumina-mGPT: Chameleon's VQGAN
-        from lisa.lumina import import_chameleon_vq
+        from lisa.models.lumina import import_chameleon_vq
 
         model = import_chameleon_vq(world.tokenizer_checkpoint, 16 * grammar_grid(world.gpt_config().block_size))
     elif world.tokenizer_checkpoint:
@@ -233,7 +237,7 @@ def init_tokenizer(world: WorldParams, p: InitTokenizerParams, out_dir: str | Pa
 
 
 def build_dataset(name: str, image_size: int, p: BuildDatasetParams, out_dir: str | Path, source=None) -> dict:
-    """A built-in or local dataset (lisa/data.py) as a HuggingFace DatasetDict saved to out_dir; `source`: the
+    """A built-in or local dataset (lisa/data/datasets.py) as a HuggingFace DatasetDict saved to out_dir; `source`: the
     world's DatasetParams (path, captions, test_path, test_captions of a local dataset)."""
     local = {k: getattr(source, k) for k in ("path", "captions", "test_path", "test_captions")} if source else {}
     ds = data.build(name, image_size, p.test_fraction, limits=(p.max_train, p.max_test), **local)
@@ -314,7 +318,7 @@ def encode(dataset_dir: str | Path, tokenizer_path: str | Path, world: WorldPara
         if encoder.dim != cfg.caption_dim:
             raise ValueError(f"caption encoder {encoder.path} gives {encoder.dim}-d features, the target's "
                              f"caption_dim is {cfg.caption_dim}")
-        # (U, C, D), or (U, C, D + 1) with the mask packed in for T5 (lisa.text.pack_caption)
+        # (U, C, D), or (U, C, D + 1) with the mask packed in for T5 (lisa.data.text.pack_caption)
         tensors["caption_feats"] = encoder.features(captions, cfg.cls_token_num).to(torch.float16)
     out = Path(out_dir) / CODES_FILE
     atomic_write(out, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, tmp))
@@ -425,8 +429,8 @@ def _decoder(model, vq, target_meta: dict, p: SampleParams, drafter_path, calib=
              calibration_path=None):
     """(cond, sampling, generator) -> (tokens, stats) for the method p.method. With p.tree "auto", the cost model
     picks depth and total_tokens from decoding the conditions `calib` on this machine (recorded in `auto`)."""
-    from lisa.generate import SpecConfig, decoder
-    from lisa.verify import VERIFIERS
+    from lisa.decoding.generate import SpecConfig, decoder
+    from lisa.decoding.verify import VERIFIERS
 
     if p.method != "vanilla" and p.method not in VERIFIERS:
         raise ValueError(f"sample.method {p.method!r}: not 'vanilla' nor a verifier {sorted(VERIFIERS)}")
@@ -503,9 +507,9 @@ def method_drafters(methods, paths: dict, target_meta: dict) -> dict:
 def load_geometry(target, target_meta: dict, vq, methods, neighbours: int,
                   calibration_path: Optional[str | Path] = None):
     """The codebook geometry the methods' verifiers read (None if none does): the neighbour table, and for gasv
-    the calibration of this very target (lisa.calibrate; another checkpoint's is a CalibrationError)."""
-    from lisa.calibrate import load_calibration
-    from lisa.verify import Geometry
+    the calibration of this very target (lisa.training.calibrate; another checkpoint's is a CalibrationError)."""
+    from lisa.training.calibrate import load_calibration
+    from lisa.decoding.verify import Geometry
 
     used = {m.method for m in methods}
     if not used & {"lantern", "gsd", "gasv"}:
@@ -525,7 +529,7 @@ def bench_spec(target_path: str | Path, tokenizer_path: str | Path, drafter_path
     """Speculative decoding benchmark of a world's target and drafters: every method of `p.methods` on the same
     classes / prompts (`sample_p`) with the same seeds, in one run -> out_dir/<name>.{json,md,png}. Methods use
     the release drafter (`drafter_path`) or the LID one (`lid_drafter_path`); gasv reads `calibration_path`."""
-    from lisa.verify import VERIFIERS
+    from lisa.decoding.verify import VERIFIERS
 
     if p.threads:
         torch.set_num_threads(p.threads)
@@ -806,15 +810,15 @@ def train_drafter(codes_path: str | Path, target_path: str | Path, p: TrainDraft
                   report: str | Path, work_dir: str | Path, curves: Optional[str | Path] = None,
                   corpus_path: Optional[str | Path] = None) -> dict:
     """Baseline EAGLE-3 drafter (TTT, soft CE to the target) for a world's target, on its training codes (or a
-    built corpus, lisa/corpus.py). Under torchrun: DDP over the ranks; rank 0 writes the drafter and reports."""
-    from lisa.drafter_train import new_drafter, train_drafter as train
+    built corpus, lisa/data/corpus.py). Under torchrun: DDP over the ranks; rank 0 writes the drafter and reports."""
+    from lisa.training.drafter import new_drafter, train_drafter as train
 
     rank = init_distributed()
     target, target_meta = load_target(target_path)
     d = load_codes(codes_path, target.config.model_type)
     tokens, cond = d["train_tokens"], d["train_cond"]
     if corpus_path is not None:
-        from lisa.corpus import read_corpus
+        from lisa.data.corpus import read_corpus
 
         c = read_corpus(corpus_path, target.config.model_type, target.config.cls_token_num)
         tokens, cond = c["tokens"], c["cond"]
@@ -833,9 +837,9 @@ def train_drafter(codes_path: str | Path, target_path: str | Path, p: TrainDraft
 
 
 def laion_fixture(p: CorporaParams, out_dir: str | Path) -> dict:
-    """The LAION-COCO-layout fixture from the emoji images (lisa.corpus.make_laion_fixture), written to a temporary
+    """The LAION-COCO-layout fixture from the emoji images (lisa.data.corpus.make_laion_fixture), written to a temporary
     folder and renamed into place."""
-    from lisa.corpus import make_laion_fixture
+    from lisa.data.corpus import make_laion_fixture
 
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
@@ -848,8 +852,8 @@ def laion_fixture(p: CorporaParams, out_dir: str | Path) -> dict:
 
 def build_laion_coco(metadata: str | Path, images: str | Path, tokenizer_path: str | Path, world: WorldParams,
                      p: CorporaParams, out_dir: str | Path, report: str | Path) -> dict:
-    """The laion-coco corpus (lisa.corpus.build_laion_coco) with the world's tokenizer and caption encoder."""
-    from lisa.corpus import LaionFilter, build_laion_coco as build
+    """The laion-coco corpus (lisa.data.corpus.build_laion_coco) with the world's tokenizer and caption encoder."""
+    from lisa.data.corpus import LaionFilter, build_laion_coco as build
 
     vq, vq_meta = load_tokenizer(tokenizer_path)
     cfg = world.gpt_config()
@@ -872,7 +876,7 @@ def build_self_generated(codes_path: str | Path, target_path: str | Path, world:
                          p: SelfGeneratedParams, out_dir: str | Path, report: str | Path) -> dict:
     """The self-generated corpus: the world's target samples p.n sequences, conditions = classes in turn (c2i) or
     the training captions in turn (t2i)."""
-    from lisa.corpus import build_self_generated as build
+    from lisa.data.corpus import build_self_generated as build
 
     target, target_meta = load_target(target_path)
     if target.config.model_type == "c2i":
@@ -904,12 +908,12 @@ def init_distributed() -> int:
 
 def cache_logits(codes_path: str | Path, target_path: str | Path, p: CacheLogitsParams, out_dir: str | Path,
                  report: str | Path, corpus_path: Optional[str | Path] = None) -> dict:
-    """The target logit cache of a world's training codes (lisa/cache.py). Under torchrun each rank writes its
+    """The target logit cache of a world's training codes (lisa/training/cache.py). Under torchrun each rank writes its
     shards (gloo or nccl process group for the final barrier); rank 0 writes the manifest and the report."""
     rank, world_size = init_distributed(), cache.dist_env()[1]
     target, target_meta = load_target(target_path)
     if corpus_path is not None:
-        from lisa.corpus import read_corpus
+        from lisa.data.corpus import read_corpus
 
         c = read_corpus(corpus_path, target.config.model_type, target.config.cls_token_num)
         all_tokens, all_cond = c["tokens"], c["cond"]
@@ -945,9 +949,9 @@ def ablate_lid(codes_path: str | Path, target_path: str | Path, tokenizer_path: 
     length tau of each under `exact` verification on the same conditions and seeds."""
     import dataclasses
 
-    from lisa.distill import LIDConfig
-    from lisa.drafter_train import new_drafter, train_drafter as train
-    from lisa.generate import SpecConfig, speculative_generate
+    from lisa.training.distill import LIDConfig
+    from lisa.training.drafter import new_drafter, train_drafter as train
+    from lisa.decoding.generate import SpecConfig, speculative_generate
 
     target, target_meta = load_target(target_path)
     vq, _ = load_tokenizer(tokenizer_path)
@@ -1044,7 +1048,7 @@ def calibrate(target_path: str | Path, tokenizer_path: str | Path, cache_dir: st
               out_dir: str | Path, report: str | Path) -> dict:
     """GASV's calibration of a target checkpoint from its output head, its codebook and its logit cache
     -> out_dir/calibration.{safetensors,json} (the JSON records the target's sha256)."""
-    from lisa.calibrate import CalibrateConfig, calibrate as fit, save_calibration
+    from lisa.training.calibrate import CalibrateConfig, calibrate as fit, save_calibration
 
     model, target_meta = load_target(target_path)
     vq, vq_meta = load_tokenizer(tokenizer_path)
@@ -1091,7 +1095,7 @@ def eval_method(target_path: str | Path, tokenizer_path: str | Path, codes_path:
     `evaluate`, batch i seeded (seed, i) for every method: FID / KID against the held-out reference, the judge's
     score, tau, and the measured relaxation (TV between the law each token was drawn from and the target's,
     per image position and on average) -> out_dir/<name>.{json,png}, out_dir/<name>-tv.csv."""
-    from lisa.generate import SpecConfig, decoder
+    from lisa.decoding.generate import SpecConfig, decoder
 
     m = p.cells[name].as_method(name)
     model, target_meta = load_target(target_path)

@@ -1,7 +1,7 @@
 """Vanilla autoregressive decoding of a LlamaGen-style target, in gpt-fast's shape: prefill, then one-token steps.
 
 CFG runs the conditional and unconditional rows in one batch (conditional first) sharing one KV cache; guidance is
-applied to the logits before temperature / top-k / top-p (lisa.sampling). Reproducible through an explicit
+applied to the logits before temperature / top-k / top-p (lisa.decoding.sampling). Reproducible through an explicit
 torch.Generator. The speculative loop (drafting, verification) builds on the same `prefill` / `decode_one_token`.
 """
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch
 from torch import Tensor
 
 from lisa.models.gpt import Transformer
-from lisa import verify
-from lisa.sampling import SamplingConfig, cfg_logits, logits_to_probs, sample, sample_from
-from lisa.tree import chain, dynamic_tree, static_choices, static_tree
+from lisa.decoding import verify
+from lisa.decoding.sampling import SamplingConfig, cfg_logits, logits_to_probs, sample, sample_from
+from lisa.decoding.tree import chain, dynamic_tree, static_choices, static_tree
 
 
 def prefix_embeddings(model: Transformer, cond: Tensor, use_cfg: bool) -> Tensor:
@@ -135,8 +135,8 @@ def generate(model: Transformer, cond: Tensor, sampling: SamplingConfig, generat
 
 @dataclass(frozen=True)
 class SpecConfig:
-    verifier: str = "exact"  # a name in lisa.verify.VERIFIERS
-    tree: str = "dynamic"  # "dynamic" (EAGLE-2/3) | "static" (fixed shape: lisa.tree.static_choices) | "chain"
+    verifier: str = "exact"  # a name in lisa.decoding.verify.VERIFIERS
+    tree: str = "dynamic"  # "dynamic" (EAGLE-2/3) | "static" (fixed shape: lisa.decoding.tree.static_choices) | "chain"
     depth: int = 4  # draft levels
     top_k: int = 4  # children per expanded node, nodes expanded per level (dynamic)
     total_tokens: int = 16  # draft nodes kept after reranking (dynamic)
@@ -174,10 +174,10 @@ def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: S
     rows in both models, guidance on both models' logits. Returns (tokens, {"forwards", "rounds", "tau",
     "accept_lengths"}): tau = tokens emitted per target forward after the prefill, bonus token included.
     trace: a list that receives, per round, the draft tree's node scores and depths, the accepted path and its
-    length, and which rows were live (what lisa.costmodel learns acceptance from). forced: (T,) grammar tokens,
+    length, and which rows were live (what lisa.decoding.costmodel learns acceptance from). forced: (T,) grammar tokens,
     -1 = free (force_tokens): both models' distributions are one-hot there, so they are never drafted freely
     nor sampled, and the emitted sequence has them exactly in place. measure: stats["tv"] (B, T) gets the total
-    variation between the law each token was emitted from and the target's distribution there (lisa.verify.walk;
+    variation between the law each token was emitted from and the target's distribution there (lisa.decoding.verify.walk;
     0 at the prefill token).
     """
     cond, cond_mask = target.split_cond(cond, cond_mask)  # a packed condition carries its mask
@@ -465,7 +465,7 @@ def decoder(target: Transformer, method: str = "vanilla", drafter=None, spec: Op
     """The Python API behind `lisa sample --method`: a function (cond, sampling, generator, cond_mask=None,
     forced=None) -> (tokens (B, T), stats) decoding with `method`: "vanilla", or a verifier name (greedy / exact / lantern / ...
     with an EAGLE-3 `drafter` and a `spec` tree; sjd / gsd run drafter-free over a `window`). Relaxed verifiers
-    read `geometry` (lisa.verify.Geometry) and their knobs from `options`. stats holds "forwards" and, for the
+    read `geometry` (lisa.decoding.verify.Geometry) and their knobs from `options`. stats holds "forwards" and, for the
     speculative methods, "tau" and the per-round "accept_lengths" (and with measure, "tv": see
     speculative_generate)."""
     if method == "vanilla":

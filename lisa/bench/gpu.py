@@ -1,10 +1,10 @@
 """The GPU benchmark: a LlamaGen-GPT-XL-sized target with random weights and an EAGLE-3 drafter of its width,
 vanilla against speculative decoding, in one run (`lisa bench-gpu`; it runs on a CPU too, for small presets).
 
-What it measures, CUDA-synchronised (lisa.costmodel.sync around every timed call):
+What it measures, CUDA-synchronised (lisa.decoding.costmodel.sync around every timed call):
   * t(N): one target forward over N new tokens per row after a half-full cache, as the speculative loop calls it
     (explicit tree mask, per-row positions), for N = 1 .. 128: how flat the cost of a tree is on this device;
-  * the decode loop of every method (lisa.bench.bench_speculative: same conditions and seeds, methods
+  * the decode loop of every method (lisa.bench.speed.bench_speculative: same conditions and seeds, methods
     interleaved, median over passes): ms per image, speedup over vanilla, tau, loop overhead.
 Random weights make the target's distribution nearly uniform, so tau is ~1 and the speedup here is the cost side
 of speculative decoding (what a round costs against a vanilla step); the toy worlds and real checkpoints give the
@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lisa import costmodel
-from lisa.bench import bench_speculative
+from lisa.decoding import costmodel
+from lisa.bench.speed import bench_speculative
 from lisa.config import BenchMethod
 from lisa.models.gpt import Transformer, gpt_config
-from lisa.sampling import SamplingConfig
+from lisa.decoding.sampling import SamplingConfig
 
 DEFAULT_METHODS = [
     BenchMethod("vanilla"),
@@ -50,7 +50,7 @@ class GPUBenchConfig:
 
 def gpu_bench(cfg: GPUBenchConfig, methods=None, device=None, progress: bool = True) -> dict:
     """Run the benchmark; returns the report (JSON-able)."""
-    from lisa.drafter_train import new_drafter
+    from lisa.training.drafter import new_drafter
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.dtype]

@@ -11,8 +11,8 @@ the committed pair j - s. Its attention sees the committed pairs <= j - s (step 
 pair j - (s - s') for 1 <= s' <= s. This is exactly what drafting does at decode time. The loss is
 sum_s decay^s * soft cross-entropy(target distribution of token j + 1, drafter's), over the pairs j >= s.
 Every step is one forward over the concatenation of all steps so far with that mask (simple; the single drafter
-layer makes it cheap). Labels come from the online target or from a logit cache (lisa.cache), with the baseline
-soft CE or LISA's locality-informed distillation (lisa.distill).
+layer makes it cheap). Labels come from the online target or from a logit cache (lisa.training.cache), with the baseline
+soft CE or LISA's locality-informed distillation (lisa.training.distill).
 
 Distributed training is torch's own: under torchrun, DDP (gloo on CPU, nccl on GPU) around the TTT loss, each rank
 a share of every step's batch; gradient accumulation; bf16 autocast (`precision`); resumable checkpoints; the
@@ -35,7 +35,7 @@ from tqdm import tqdm
 from lisa.checkpoint import atomic_write
 from lisa.models.drafter import DrafterConfig, Eagle3Drafter
 from lisa.models.gpt import Transformer
-from lisa.train import load_resume, lr_at, save_resume
+from lisa.training.loops import load_resume, lr_at, save_resume
 
 
 def init_from_target(drafter: Eagle3Drafter, target: Transformer) -> Eagle3Drafter:
@@ -64,7 +64,7 @@ def soft_ce(target_probs: Tensor, logits: Tensor) -> Tensor:
 
 @dataclass
 class CachedTargets:
-    """The target's distributions as a logit cache holds them (lisa.cache): top-K ids / logits, logsumexp."""
+    """The target's distributions as a logit cache holds them (lisa.training.cache): top-K ids / logits, logsumexp."""
     topk_idx: Tensor  # (B, T, K)
     topk_logit: Tensor  # (B, T, K)
     lse: Tensor  # (B, T)
@@ -85,9 +85,9 @@ def cached_soft_ce(target: CachedTargets, logits: Tensor) -> Tensor:
 
 
 def lid_loss_fn(codebook: Tensor, cfg, step: int) -> Callable[[CachedTargets, Tensor], Tensor]:
-    """LISA's locality-informed distillation (lisa.distill) as a per-position loss for ttt_losses: each
+    """LISA's locality-informed distillation (lisa.training.distill) as a per-position loss for ttt_losses: each
     position's weighted CE + KD, scaled so that its mean is the LID loss of the batch."""
-    from lisa.distill import lid_loss
+    from lisa.training.distill import lid_loss
 
     def fn(target: CachedTargets, logits: Tensor) -> Tensor:
         shape = logits.shape[:-1]
@@ -190,10 +190,10 @@ def train_drafter(drafter: Eagle3Drafter, target: Transformer, tokens: Tensor, c
     """Train on (tokens (N, T), cond); resumable from work_dir/resume.pt (only by a run against the same target:
     `target_id`, e.g. its sha256, is kept in the resume file). Returns held-out TTT metrics.
 
-    cache: a lisa.cache.LogitCache of this target over (tokens, cond): batches are drawn from its rows (its
+    cache: a lisa.training.cache.LogitCache of this target over (tokens, cond): batches are drawn from its rows (its
     conditional and unconditional passes), labels are its top-K, and the target runs only up to its highest
     tapped block for the drafter's features. The loss is then the top-K soft CE (baseline), or LISA's LID with
-    lid = (codebook (V, D), lisa.distill.LIDConfig).
+    lid = (codebook (V, D), lisa.training.distill.LIDConfig).
 
     Distributed: under torchrun (an initialised process group) the drafter is wrapped in DDP; every rank draws the
     same global batch of cfg.batch_size rows from (seed, step) and takes its 1/world share, split further into

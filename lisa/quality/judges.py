@@ -5,7 +5,7 @@
 * t2i worlds: a small CLIP built and trained with open_clip (a ViT on 4x4 patches and a text transformer with
   open_clip's own BPE tokenizer) on the (image, caption) pairs; CLIP score = 100 * max(cos(image, caption), 0),
   averaged, as in torchmetrics' CLIPScore. Real held-out pairs give its ceiling, mismatched pairs its floor.
-Both are trained with the nanoGPT-style loop of lisa/train.py (resumable from work_dir/resume.pt).
+Both are trained with the nanoGPT-style loop of lisa/training/loops.py (resumable from work_dir/resume.pt).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from lisa.config import TrainJudgeParams
 from lisa.models.presets import build_config
-from lisa.train import load_resume, lr_at, save_resume
+from lisa.training.loops import load_resume, lr_at, save_resume
 
 
 @dataclass

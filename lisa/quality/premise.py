@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from lisa.sampling import cfg_logits
-from lisa.verify import neighbour_table  # noqa: F401  (re-exported: the premise measures the same table)
+from lisa.decoding.sampling import cfg_logits
+from lisa.decoding.verify import neighbour_table  # noqa: F401  (re-exported: the premise measures the same table)
 
 
 @torch.no_grad()

@@ -1,0 +1,1 @@
+"""Benchmarks: decode speed on the CPU and GPU, and resource estimates."""

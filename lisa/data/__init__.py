@@ -1,0 +1,1 @@
+"""Data: built-in datasets, drafter corpora, caption encoders, image grids."""

@@ -1,0 +1,1 @@
+"""Decoding: sampling, draft trees, verifiers, the decode loops and their cost model."""

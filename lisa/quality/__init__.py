@@ -1,0 +1,1 @@
+"""Quality: FID / KID, judges, reference sets, the premise measurements."""

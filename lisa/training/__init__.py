@@ -1,0 +1,1 @@
+"""Training: the training loops, drafter training, distillation, the logit cache, calibration."""
