@@ -176,3 +176,39 @@ def test_torchrun_two_processes_equal_one(tmp_path):
     two = json.loads((tmp_path / "two" / "manifest.json").read_text())
     assert [s["sha256"] for s in one["shards"]] == [s["sha256"] for s in two["shards"]] and len(one["shards"]) == 3
     assert json.loads((tmp_path / "two.json").read_text())["workers"] == 2
+
+
+def test_resume_rewrites_a_shard_whose_bytes_changed(tmp_path):
+    """A shard corrupted in the middle (footer intact) is not kept by a rerun: its bytes no longer match the hash
+    recorded when it was written, so it is written again and the manifest never approves the changed bytes."""
+    out = tmp_path / "c"
+    target, tokens, cond, spec = build(out)
+    shard = out / "shard-00000.parquet"
+    good = shard.read_bytes()
+    bad = bytearray(good)
+    bad[len(bad) // 2] ^= 0xFF
+    shard.write_bytes(bytes(bad))
+    with pytest.raises(CacheError, match="changed since it was written"):
+        write_manifest(out, SHA, spec, len(tokens), tokens.shape[1])
+    write_cache(target, SHA, tokens, cond, spec, out, progress=False)
+    assert shard.read_bytes() == good
+    write_manifest(out, SHA, spec, len(tokens), tokens.shape[1])
+
+
+def test_cache_of_other_settings_is_cleared_not_mixed(tmp_path):
+    from lisa.training.cache import IDENTITY, cache_identity, prepare_cache_dir
+
+    out = tmp_path / "c"
+    spec = CacheSpec(K=8, shard_size=16, batch_size=6, uncond_every=4)
+    tokens, _ = data()
+    ident = cache_identity(SHA, spec, len(tokens), tokens.shape[1], {"codes_sha256": "x"})
+    assert prepare_cache_dir(out, ident) is None
+    build(out, spec)
+    n_before = len(list(out.glob("shard-*.parquet")))
+    assert prepare_cache_dir(out, ident) is None  # same identity: a resume keeps every shard
+    assert len(list(out.glob("shard-*.parquet"))) == n_before
+    other = CacheSpec(K=spec.K, shard_size=spec.shard_size * 2, batch_size=spec.batch_size,
+                      uncond_every=spec.uncond_every)
+    why = prepare_cache_dir(out, cache_identity(SHA, other, len(tokens), tokens.shape[1], {"codes_sha256": "x"}))
+    assert why is not None and "spec.shard_size" in why
+    assert not list(out.glob("shard-*")) and (out / IDENTITY).is_file()

@@ -12,8 +12,12 @@ compact types; `cache_schema`):
 
 Shard i holds sequences [i * shard_size, (i + 1) * shard_size), rows ordered by (seq, uncond, pos), computed in
 fixed batches, so a shard's bytes depend only on the target, the data and the settings. A shard is written to a
-temporary file and renamed, so a killed run leaves only whole shards; rerunning skips them (resumable: the result
-equals an uninterrupted run's). Workers (torchrun ranks) take every world_size-th shard; rank 0 writes
+temporary file and renamed, with its sha256 beside it (`sha256/shard-*.parquet`), so a killed run leaves only whole
+shards; rerunning keeps a shard only if its bytes still match that hash (resumable: the result equals an
+uninterrupted run's; a changed or unhashed shard is written again). identity.json records what the cache is a
+function of (target, source data, settings, version): a rerun with another identity clears the folder first, so
+a cache never mixes settings, and consumers (calibrate, ablate-lid) depend on that file in dvc.yaml, not on the
+shards' bytes, which may differ in float rounding from one CPU to another. Workers (torchrun ranks) take every world_size-th shard; rank 0 writes
 manifest.json when all are there. Every shard's schema metadata and the manifest carry the target's sha256:
 readers (`open_cache`) check the schema and refuse a cache made by another target.
 """
@@ -22,7 +26,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -38,6 +42,7 @@ from lisa.models.gpt import Transformer
 
 CACHE_VERSION = "1"
 MANIFEST = "manifest.json"
+IDENTITY = "identity.json"
 
 
 class CacheError(ValueError):
@@ -128,7 +133,7 @@ def write_cache(target: Transformer, target_sha256: str, tokens: Tensor, cond: T
     for i in tqdm(mine, desc=f"cache logits (rank {rank})", unit="shard", disable=not progress):
         path = out / f"shard-{i:05d}.parquet"
         paths.append(path)
-        if path.is_file() and _shard_ok(path, schema):
+        if _shard_kept(path, schema):
             continue
         rows = shard_rows(i * spec.shard_size, min((i + 1) * spec.shard_size, len(tokens)), spec.uncond_every)
         tables = []
@@ -141,6 +146,7 @@ def write_cache(target: Transformer, target_sha256: str, tokens: Tensor, cond: T
             tables.append(_table(batch, tokens[idx], logit_stats(logits, spec.K), schema))
         table = pa.concat_tables(tables)
         atomic_write(path, lambda tmp: pq.write_table(table, tmp, compression="zstd", write_statistics=False))
+        atomic_write(_hash_file(path), lambda tmp: Path(tmp).write_text(file_sha256(path) + "\n"))
         written += 1
         if stop_after is not None and written >= stop_after:
             break
@@ -152,6 +158,53 @@ def same_schema(found: pa.Schema, expected: pa.Schema) -> bool:
     ours = {k: v for k, v in (expected.metadata or {}).items()}
     theirs = {k: v for k, v in (found.metadata or {}).items() if k in ours}
     return found.equals(expected, check_metadata=False) and theirs == ours
+
+
+def _hash_file(shard: Path) -> Path:
+    return shard.parent / "sha256" / shard.name
+
+
+def _shard_kept(path: Path, schema: pa.Schema) -> bool:
+    """A shard of an earlier run is kept if it has this cache's schema and still has the bytes it was written with."""
+    h = _hash_file(path)
+    return (path.is_file() and h.is_file() and _shard_ok(path, schema)
+            and h.read_text().strip() == file_sha256(path))
+
+
+def cache_identity(target_sha256: str, spec: CacheSpec, num_sequences: int, seq_len: int, source: dict) -> dict:
+    """What a cache's content is a function of: the target, the source data (e.g. the codes' sha256), the settings."""
+    return {"version": CACHE_VERSION, "target_sha256": target_sha256, "spec": asdict(spec),
+            "num_sequences": num_sequences, "seq_len": seq_len, "source": source}
+
+
+def prepare_cache_dir(out_dir: str | Path, identity: dict) -> Optional[str]:
+    """Start or resume a cache in out_dir (rank 0, before any shard is written): a folder holding a cache of another
+    identity (or of none) is cleared, so shards of other settings are never reused. Returns why it was cleared."""
+    out = Path(out_dir)
+    path = out / IDENTITY
+    old = json.loads(path.read_text()) if path.is_file() else None
+    why = None
+    if old != identity and out.is_dir() and any(out.iterdir()):
+        why = (f"{out}: holds a cache of other settings ({_identity_diff(old, identity)}): cleared"
+               if old is not None else f"{out}: holds files but no {IDENTITY}: cleared")
+        for f in [*out.glob("shard-*"), *out.glob("sha256/shard-*"), out / MANIFEST, path]:
+            f.unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    if old != identity:
+        write_json(path, identity)
+    return why
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out |= _flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
+    return out
+
+
+def _identity_diff(old: dict, new: dict) -> str:
+    a, b = _flat(old), _flat(new)
+    return ", ".join(f"{k} {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
 
 
 def _shard_ok(path: Path, schema: pa.Schema) -> bool:
@@ -170,8 +223,9 @@ def write_manifest(out_dir: str | Path, target_sha256: str, spec: CacheSpec, num
     shards = []
     for i in range(n_shards):
         path = out / f"shard-{i:05d}.parquet"
-        if not path.is_file() or not _shard_ok(path, schema):
-            raise CacheError(f"{path}: missing or not a shard of this cache (target {target_sha256[:12]}, K {spec.K})")
+        if not _shard_kept(path, schema):
+            raise CacheError(f"{path}: missing or not a shard of this cache (target {target_sha256[:12]}, K {spec.K}), "
+                             f"or changed since it was written (its bytes differ from sha256/{path.name})")
         shards.append({"file": path.name, "rows": pq.ParquetFile(path).metadata.num_rows,
                        "bytes": path.stat().st_size, "sha256": file_sha256(path)})
     tokens = sum(s["rows"] for s in shards)
