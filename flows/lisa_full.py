@@ -34,18 +34,19 @@ def lisa_full(params_path: str = "params.yaml", root: str = ".") -> dict:
             m["ablate_lid"] = t.ablate_lid(params_path, name, root)
             m["calibrate"] = t.calibrate(params_path, name, root)
             m["bench_spec"] = t.bench_spec(params_path, name, root)
-            m["cells"] = {c: t.eval_method(params_path, name, c, root) for c in load_params(params_path).table.cells}
+            m["cells"] = {c: t.eval_method(params_path, name, root, method=c)
+                          for c in load_params(params_path).table.cells}
         else:
             m["tokenizer"] = t.init_tokenizer(params_path, name, root)
             m["target"] = t.init_target(params_path, name, root)
         m["sample"] = t.sample(params_path, name, root)
     laion_world = load_params(params_path).corpora.laion_world
     if laion_world in worlds and worlds[laion_world].dataset is not None:  # the fixture needs the emoji world
-        metrics["laion_fixture"] = t.laion_fixture(params_path, root)
-        metrics["laion_coco"] = t.build_laion_coco(params_path, root)
+        metrics["laion_fixture"] = t.laion_fixture(params_path, root=root)
+        metrics["laion_coco"] = t.build_laion_coco(params_path, root=root)
     if all(w.dataset is not None for w in worlds.values()):
-        metrics["table"] = t.table(params_path, root)
-    metrics["bench"] = t.bench(params_path, root)
+        metrics["table"] = t.table(params_path, root=root)
+    metrics["bench"] = t.bench(params_path, root=root)
     return metrics
 
 

@@ -15,8 +15,9 @@ from pathlib import Path
 
 from prefect import flow
 
-from lisa import stages
+from lisa.checkpoint import file_sha256
 from lisa.config import load_params
+from lisa.stages import WorldPaths
 from tasks import stages as t
 
 
@@ -38,23 +39,23 @@ def recalibrate(params_path: str = "params.yaml", root: str = ".") -> dict:
             status[name] = "up to date"
             continue
         print(f"{name}: {why}: recalibrating and re-evaluating")
-        where = stages.layout(name, root)
-        target_sha = stages.file_sha256(where["target"] / stages.TARGET_FILE)
+        paths = WorldPaths.of(name, root)
+        target_sha = file_sha256(paths.target_file)
         t.cache_logits(params_path, name, root)
         if world.dataset is not None:
-            if _drafter_target(where["drafter"] / stages.DRAFTER_FILE) != target_sha:
+            if _drafter_target(paths.drafter_file) != target_sha:
                 t.train_drafter(params_path, name, root)
-            if _drafter_target(where["lid_drafter"]) != target_sha:
+            if _drafter_target(paths.lid_drafter_file) != target_sha:
                 t.ablate_lid(params_path, name, root)
         t.calibrate(params_path, name, root)
         if world.dataset is not None:
             t.bench_spec(params_path, name, root)
             for cell in p.table.cells:
-                t.eval_method(params_path, name, cell, root)
+                t.eval_method(params_path, name, root, method=cell)
         status[name] = why
         redone.append(name)
     if redone and all(w.dataset is not None for w in p.worlds.values()):
-        t.table(params_path, root)
+        t.table(params_path, root=root)
     return status
 
 

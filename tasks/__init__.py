@@ -1,1 +1,2 @@
-"""Prefect tasks: thin wrappers, one call into lisa.stages each; they pass paths and metrics, never tensors."""
+"""Prefect tasks: one per pipeline stage, each a call of lisa.stages.run_stage; they pass paths and metrics, never
+tensors."""

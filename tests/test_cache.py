@@ -112,13 +112,14 @@ def cli_world(tmp_path, n=48, params_text=None):
     import yaml
     from safetensors.torch import save_file
 
-    from lisa import stages
     from lisa.config import parse_params, profile_text
+    from lisa.stages import WorldPaths
+    from lisa.stages.build import init_target
 
     text = params_text or profile_text("micro")
     p = parse_params(yaml.safe_load(text))
-    where = stages.layout("fashion-c2i", tmp_path)
-    stages.init_target(p.world("fashion-c2i"), p.init_target, where["target"])
+    paths = WorldPaths.of("fashion-c2i", tmp_path)
+    init_target(p.world("fashion-c2i"), p.init_target, paths)
     tokens, labels = data(n=n)
     codes = tmp_path / "codes.safetensors"
     save_file({"train_codes": tokens.to(torch.int16), "train_labels": labels,
@@ -129,7 +130,7 @@ def cli_world(tmp_path, n=48, params_text=None):
     bin_dir = Path(sys.executable).parent
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
     common = ["cache-logits", "--world", "fashion-c2i", "--params", str(params), "--codes", str(codes),
-              "--target", str(where["target"] / stages.TARGET_FILE)]
+              "--target", str(paths.target_file)]
     return bin_dir, env, common
 
 

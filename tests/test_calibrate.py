@@ -173,7 +173,7 @@ def test_calibration_artifact_and_refusals(tmp_path):
 
 
 def test_recalibration_trigger_is_content_not_mtime(tmp_path):
-    from lisa.stages import needs_recalibration
+    from lisa.stages.drafter import needs_recalibration
 
     ckpt = tmp_path / "model.safetensors"
     ckpt.write_bytes(b"weights v1")

@@ -71,7 +71,7 @@ def test_training_learns_and_resumes(tmp_path):
 
 def test_drafter_artifact_checks_its_target(tmp_path):
     from lisa.checkpoint import CheckpointError, save_artifact
-    from lisa.stages import load_drafter
+    from lisa.models.llamagen import load_drafter
 
     target = micro_gpt()
     d = new_drafter(target)

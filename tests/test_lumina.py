@@ -11,8 +11,8 @@ import torch
 from lisa.checkpoint import CheckpointError
 from lisa.training.drafter import new_drafter
 from lisa.decoding.generate import SpecConfig, generate, speculative_generate
-from lisa.models.lumina import (LuminaGrammar, chameleon_codebook, encode_prompts, geometry_codebook,
-                         guided_logits_sequential, import_chameleon)
+from lisa.models.gpt import Transformer
+from lisa.models.lumina import LuminaGrammar, chameleon_codebook, encode_prompts, geometry_codebook, import_chameleon
 from lisa.decoding.sampling import SamplingConfig, cfg_logits
 from tests.helpers import make_tiny_lumina, make_tiny_vqgan
 
@@ -30,6 +30,17 @@ def lumina_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def target(lumina_dir):
     return import_chameleon(lumina_dir, image_size=GRID * 16, prompt_len=PROMPT, grammar=GRAMMAR)
+
+
+@torch.no_grad()
+def guided_logits_sequential(model: Transformer, prompt: torch.Tensor, prompt_mask: torch.Tensor,
+                             tokens: torch.Tensor, cfg_scale: float) -> torch.Tensor:
+    """Guided logits (B, T, V) of a teacher-forced sequence, the conditional and the unconditional (image part
+    only) passes run separately, as Lumina-mGPT does. The decode loops batch them; this is the reference."""
+    c = model.teacher_forced(prompt, tokens, cond_mask=prompt_mask).logits
+    drop = torch.ones(prompt.shape[0], dtype=torch.bool, device=prompt.device)
+    u = model.teacher_forced(prompt, tokens, drop=drop, cond_mask=prompt_mask).logits
+    return cfg_logits(torch.cat([c, u]), cfg_scale)
 
 
 def prompts(lumina_dir):
@@ -146,11 +157,12 @@ def test_init_target_imports_a_lumina_directory(lumina_dir, target, tmp_path):
 
     from lisa.config import InitTargetParams, WorldParams
     from lisa.models.llamagen import load_target
-    from lisa.stages import init_target
+    from lisa.stages import WorldPaths
+    from lisa.stages.build import init_target
 
     world = WorldParams(target=asdict(target.config), tokenizer={"preset": "VQ-micro"},
                         target_checkpoint=str(lumina_dir))
-    info = init_target(world, InitTargetParams(), tmp_path / "target")
+    info = init_target(world, InitTargetParams(), WorldPaths.of("w", tmp_path, target_dir=tmp_path / "target"))
     model, meta = load_target(tmp_path / "target" / "model.safetensors")
     assert meta["made_from"]["llamagen_checkpoint"] == str(lumina_dir) and info["sha256"] == meta["sha256"]
     assert torch.equal(model.token_ids, target.token_ids)
@@ -168,7 +180,7 @@ def test_init_target_imports_a_lumina_directory(lumina_dir, target, tmp_path):
     bad = WorldParams(target={**asdict(target.config), "n_layer": 5}, tokenizer={"preset": "VQ-micro"},
                       target_checkpoint=str(lumina_dir))
     with pytest.raises(CheckpointError, match="n_layer"):
-        init_target(bad, InitTargetParams(), tmp_path / "bad")
+        init_target(bad, InitTargetParams(), WorldPaths.of("w", tmp_path, target_dir=tmp_path / "bad"))
 
 
 def test_chameleon_vqgan_import_matches_transformers_encoder(lumina_dir, tmp_path):
@@ -202,17 +214,19 @@ def test_lumina_world_imports_and_samples_images(lumina_dir, target, tmp_path):
     from dataclasses import asdict
 
     from lisa.config import InitTargetParams, InitTokenizerParams, SampleParams, WorldParams
-    from lisa.stages import init_target, init_tokenizer, sample
+    from lisa.stages import WorldPaths
+    from lisa.stages.build import init_target, init_tokenizer
+    from lisa.stages.sample import sample
 
     make_tiny_vqgan(lumina_dir, tmp_path / "vqgan.ckpt", K)
     world = WorldParams(target=asdict(target.config), tokenizer={"preset": "VQ-16"},
                         target_checkpoint=str(lumina_dir), tokenizer_checkpoint=str(tmp_path / "vqgan.ckpt"),
                         sampling={"cfg_scale": 3.0, "top_k": 8})
-    init_tokenizer(world, InitTokenizerParams(), tmp_path / "tok")
-    init_target(world, InitTargetParams(), tmp_path / "target")
-    m = sample(tmp_path / "target" / "model.safetensors", tmp_path / "tok" / "tokenizer.safetensors", world,
-               SampleParams(prompts=["a red apple", "a cat on the mat"], per_class=2, batch_size=4),
-               tmp_path / "samples")
+    paths = WorldPaths.of("w", tmp_path, tokenizer_dir=tmp_path / "tok", target_dir=tmp_path / "target",
+                          samples_dir=tmp_path / "samples")
+    init_tokenizer(world, InitTokenizerParams(), paths)
+    init_target(world, InitTargetParams(), paths)
+    m = sample(world, SampleParams(prompts=["a red apple", "a cat on the mat"], per_class=2, batch_size=4), paths)
     tokens = torch.load(tmp_path / "samples" / "tokens.pt", weights_only=True)["tokens"]
     forced = GRAMMAR.forced(GRID, GRID)
     assert m["images"] == 4 and tokens.shape == (4, len(forced))

@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 STAGES = ["build-dataset", "train-tokenizer", "encode", "train-target", "init-tokenizer", "init-target", "sample",
           "premise", "fid-reference", "train-judge", "evaluate", "train-drafter", "cache-logits", "ablate-lid",
-          "laion-fixture", "build-corpus", "calibrate", "eval-method", "table", "bench"]
+          "laion-fixture", "build-laion-coco", "build-self-generated", "calibrate", "eval-method", "table", "bench",
+          "bench-spec"]
 DAG = ["build-dataset", "train-tokenizer", "encode", "train-target", "sample", "premise", "fid-reference",
        "train-judge", "evaluate", "train-drafter", "cache-logits", "ablate-lid", "bench-spec",
        "laion-fixture", "build-laion-coco", "build-self-generated", "calibrate", "eval-method", "table", "bench"]
@@ -172,9 +173,11 @@ def test_stages_import_an_official_checkpoint(tmp_path):
     """init-target with `target_checkpoint` imports a LlamaGen-layout file; the sidecar records its hash."""
     import yaml
 
-    from lisa import stages
     from lisa.checkpoint import file_sha256
     from lisa.config import parse_params
+    from lisa.stages import WorldPaths
+    from lisa.stages.build import init_target, init_tokenizer
+    from lisa.stages.sample import sample
 
     asset = ROOT / "tests" / "assets" / "llamagen_c2i_tiny.pt"
     raw = yaml.safe_load(profile_text("micro"))
@@ -182,15 +185,14 @@ def test_stages_import_an_official_checkpoint(tmp_path):
                                   "target_checkpoint": str(asset)}}
     p = parse_params(raw)
     world = p.world("imported")
-    where = stages.layout("imported", tmp_path)
-    stages.init_tokenizer(world, p.init_tokenizer, where["tokenizer"])
-    out = stages.init_target(world, p.init_target, where["target"])
-    meta = json.loads((where["target"] / "model.json").read_text())
+    paths = WorldPaths.of("imported", tmp_path)
+    init_tokenizer(world, p.init_tokenizer, paths)
+    out = init_target(world, p.init_target, paths)
+    meta = json.loads((paths.target_dir / "model.json").read_text())
     assert meta["made_from"]["sha256"] == file_sha256(asset) and meta["config"]["num_classes"] == 10
     assert out["sha256"] == meta["sha256"]
-    metrics = stages.sample(where["target"] / stages.TARGET_FILE, where["tokenizer"] / stages.TOKENIZER_FILE,
-                            world, p.sample, where["samples"])
-    assert metrics["images"] == 8 and (where["samples"] / "grid.png").is_file()
+    metrics = sample(world, p.sample, paths)
+    assert metrics["images"] == 8 and (paths.samples_dir / "grid.png").is_file()
 
 
 @pytest.mark.slow

@@ -130,7 +130,7 @@ def test_clip_judge_learns_caption_alignment(tmp_path):
 
 def test_judge_artifact_roundtrip(tmp_path):
     from lisa.checkpoint import save_artifact
-    from lisa.stages import load_judge
+    from lisa.quality.judges import load_judge
 
     config = judges.JudgeConfig("clip", image_size=16, width=32, layers=1, embed_dim=16)
     model = judges.build(config)
@@ -153,22 +153,24 @@ def test_quality_grids(tmp_path):
 
     import yaml
 
-    from lisa import stages
     from lisa.config import parse_params, profile_text
     from lisa.models.vq import VQModel, vq_config
+    from lisa.stages.common import class_names
+    from lisa.stages.render import quality_grid
 
     p = parse_params(yaml.safe_load(profile_text("micro")))
     vq = VQModel(vq_config("VQ-micro")).eval()
     images = torch.randint(0, 256, (40, 3, 16, 16), dtype=torch.uint8)
     labels = torch.arange(40) % 10
     world = p.world("fashion-c2i")
-    stages._save_quality_grid(images, labels, [], world.gpt_config(), world, vq, None, tmp_path / "c.png")
+    quality_grid(images, labels, [], world.gpt_config(), class_names(world), vq, None, tmp_path / "c.png")
     w, h = Image.open(tmp_path / "c.png").size
     assert h == 10 * (16 + 2) * 2 + 2 * 2  # ten class rows (2 px padding, upscaled 2x)
     test_codes = torch.randint(0, 64, (12, 16))
     captions = [f"caption {i % 6}" for i in range(40)]  # 12 held-out images, 6 distinct captions
     world = p.world("emoji-t2i")
-    stages._save_quality_grid(images, labels, captions, world.gpt_config(), world, vq, test_codes, tmp_path / "t.png")
+    quality_grid(images, labels, captions, world.gpt_config(), class_names(world), vq, test_codes,
+                 tmp_path / "t.png")
     w, h = Image.open(tmp_path / "t.png").size
     # rows are the captions whose every sample slot is filled: held-out j < 40 - 36 has 4 samples (j, j+12, ...)
     assert h == 4 * (16 + 2) * 2 + 2 * 2 and w > (5 * (16 + 2) + 2) * 2  # 5 images per row + the label column

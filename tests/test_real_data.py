@@ -12,7 +12,9 @@ from lisa.config import (BuildDatasetParams, DatasetParams, EncodeParams, Sample
                          TrainTokenizerParams, WorldParams)
 from lisa.models.gpt import Transformer, gpt_config
 from lisa.models.vq import VQModel, vq_config
-from lisa.stages import CODES_FILE, TARGET_FILE, TOKENIZER_FILE, build_dataset, encode, sample, train_target, train_tokenizer
+from lisa.stages import WorldPaths
+from lisa.stages.build import build_dataset, encode, train_target, train_tokenizer
+from lisa.stages.sample import sample
 from tests.helpers import make_tiny_t5
 
 CLASSES = ["boot", "coat", "shirt"]
@@ -55,14 +57,21 @@ def official(tmp_path, target_cfg):
 
 def run_stages(tmp_path, world, sample_p):
     out = tmp_path / "run"
-    ds = build_dataset(world.dataset.name, world.dataset.image_size, BuildDatasetParams(), out / "ds", world.dataset)
-    tok = train_tokenizer(out / "ds", world, TrainTokenizerParams(eval_batch_size=8), out / "tok",
-                          out / "tok.json", out / "work")
-    codes = encode(out / "ds", out / "tok" / TOKENIZER_FILE, world, EncodeParams(), out / "codes")
-    tgt = train_target(out / "codes" / CODES_FILE, world, TrainTargetParams(eval_batch_size=8), out / "target",
-                       out / "target.json", out / "work")
-    smp = sample(out / "target" / TARGET_FILE, out / "tok" / TOKENIZER_FILE, world, sample_p, out / "samples")
+    paths = run_paths(out)
+    ds = build_dataset(world, BuildDatasetParams(), paths)
+    tok = train_tokenizer(world, TrainTokenizerParams(eval_batch_size=8), paths)
+    codes = encode(world, EncodeParams(), paths)
+    tgt = train_target(world, TrainTargetParams(eval_batch_size=8), paths)
+    smp = sample(world, sample_p, paths)
     return ds, tok, codes, tgt, smp, out
+
+
+def run_paths(out, **overrides):
+    return WorldPaths.of("w", out, **{**dict(dataset_dir=out / "ds", tokenizer_dir=out / "tok",
+                                             tokenizer_report=out / "tok.json", tokenizer_work=out / "work",
+                                             codes_dir=out / "codes", target_dir=out / "target",
+                                             target_report=out / "target.json", target_work=out / "work",
+                                             samples_dir=out / "samples"), **overrides})
 
 
 def test_imagenet_folder_and_imported_c2i_checkpoints(tmp_path):
@@ -85,8 +94,9 @@ def test_imagenet_folder_and_imported_c2i_checkpoints(tmp_path):
     bad = WorldParams(dataset=world.dataset, tokenizer={"preset": "VQ-micro"},
                       target={**target, "block_size": 64}, target_checkpoint=gpt_pt, tokenizer_checkpoint=vq_pt)
     with pytest.raises(ValueError, match=r"block_size': \(64, 16\)"):
-        train_target(out / "codes" / CODES_FILE, bad, TrainTargetParams(), tmp_path / "bad", tmp_path / "b.json",
-                     tmp_path / "work")
+        train_target(bad, TrainTargetParams(), run_paths(out, target_dir=tmp_path / "bad",
+                                                         target_report=tmp_path / "b.json",
+                                                         target_work=tmp_path / "work"))
 
 
 def test_coco_with_t5_captions_and_imported_t2i_checkpoint(tmp_path):
@@ -108,7 +118,7 @@ def test_coco_with_t5_captions_and_imported_t2i_checkpoint(tmp_path):
     assert test["caption"][0] == "a grey boot on black, number 0"  # the longest caption of each image
     from lisa.checkpoint import read_state_dict
 
-    feats = read_state_dict(out / "codes" / CODES_FILE)["caption_feats"]
+    feats = read_state_dict(run_paths(out).codes_file)["caption_feats"]
     assert feats.shape[1:] == (16, 17)  # 16-d T5 states + the packed mask channel
     mask = feats[..., -1] > 0.5
     assert mask[:, -1].all() and not mask[:, 0].any()  # left padded: real tokens at the end

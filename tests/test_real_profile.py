@@ -45,7 +45,7 @@ def test_coco_prompts_longest_caption_per_image(tmp_path):
 
 
 def test_world_sampling_overrides_section():
-    from lisa.stages import world_sampling
+    from lisa.stages.common import world_sampling
 
     w = WorldParams(target={"preset": "GPT-micro"}, tokenizer={"preset": "VQ-micro"},
                     sampling={"cfg_scale": 3.0, "top_k": 2000})

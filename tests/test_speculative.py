@@ -127,33 +127,32 @@ def test_sample_stage_takes_a_method(tmp_path):
 
     import yaml
 
-    from lisa import stages
     from lisa.checkpoint import save_artifact
     from lisa.config import parse_params, profile_text
     from lisa.training.drafter import new_drafter
     from lisa.models.llamagen import load_target
+    from lisa.stages import WorldPaths
+    from lisa.stages.build import init_target, init_tokenizer
+    from lisa.stages.sample import sample
 
     p = parse_params(yaml.safe_load(profile_text("micro")))
     world = p.world("fashion-c2i")
-    where = stages.layout("fashion-c2i", tmp_path)
-    stages.init_tokenizer(world, p.init_tokenizer, where["tokenizer"])
-    stages.init_target(world, p.init_target, where["target"])
-    target, meta = load_target(where["target"] / stages.TARGET_FILE)
+    paths = WorldPaths.of("fashion-c2i", tmp_path)
+    init_tokenizer(world, p.init_tokenizer, paths)
+    init_target(world, p.init_target, paths)
+    target, meta = load_target(paths.target_file)
     d = new_drafter(target)
-    save_artifact(d, where["drafter"] / stages.DRAFTER_FILE, "drafter", d.config,
-                  made_from={"target_sha256": meta["sha256"]})
+    save_artifact(d, paths.drafter_file, "drafter", d.config, made_from={"target_sha256": meta["sha256"]})
     for method in ("exact", "sjd", "lantern"):
         params = dataclasses.replace(p.sample, method=method)
-        m = stages.sample(where["target"] / stages.TARGET_FILE, where["tokenizer"] / stages.TOKENIZER_FILE, world,
-                          params, tmp_path / method, where["drafter"] / stages.DRAFTER_FILE)
+        m = sample(world, params, dataclasses.replace(paths, samples_dir=tmp_path / method))
         assert m["method"] == method and m["tau"] >= 1.0 and (tmp_path / method / "grid.png").is_file()
-    m = stages.sample(where["target"] / stages.TARGET_FILE, where["tokenizer"] / stages.TOKENIZER_FILE, world,
-                      dataclasses.replace(p.sample, method="exact", tree="auto"), tmp_path / "auto",
-                      where["drafter"] / stages.DRAFTER_FILE)
+    m = sample(world, dataclasses.replace(p.sample, method="exact", tree="auto"),
+               dataclasses.replace(paths, samples_dir=tmp_path / "auto"))
     assert m["auto_tree"]["depth"] >= 1 and "predicted" in m["auto_tree"]["why"]
     with pytest.raises(ValueError, match="not 'vanilla' nor a verifier"):
-        stages.sample(where["target"] / stages.TARGET_FILE, where["tokenizer"] / stages.TOKENIZER_FILE, world,
-                      dataclasses.replace(p.sample, method="magic"), tmp_path / "x")
+        sample(world, dataclasses.replace(p.sample, method="magic"),
+               dataclasses.replace(paths, samples_dir=tmp_path / "x"))
 
 
 def test_forced_grammar_tokens_every_method():

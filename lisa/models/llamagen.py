@@ -1,4 +1,4 @@
-"""Loading targets and tokenizers: our safetensors artifacts, and official LlamaGen checkpoints.
+"""Loading targets, tokenizers and drafters: our safetensors artifacts, and official LlamaGen checkpoints.
 
 Official `c2i_*.pt` / `t2i_*.pt` files carry no config: the architecture is inferred from tensor shapes
 (dim, layers, vocabulary, condition type, classes, caption width, kv heads) and the rest comes from the caller
@@ -11,7 +11,10 @@ import re
 from pathlib import Path
 from typing import Optional
 
+import torch.nn as nn
+
 from lisa.checkpoint import CheckpointError, load_artifact, load_into, read_state_dict
+from lisa.models.drafter import build_drafter
 from lisa.models.gpt import PRESETS, GPTConfig, Transformer, gpt_config
 from lisa.models.vq import VQConfig, VQModel, vq_config
 
@@ -28,7 +31,18 @@ def load_target(path: str | Path) -> tuple[Transformer, dict]:
 
 
 def load_tokenizer(path: str | Path) -> tuple[VQModel, dict]:
+    """Our tokenizer artifact (`tokenizer.safetensors` + `tokenizer.json`) -> (model in eval mode, sidecar)."""
     model, meta = load_artifact(path, "vq", lambda c: VQModel(VQConfig.from_dict(c)))
+    return model.eval(), meta
+
+
+def load_drafter(path: str | Path, target_meta: Optional[dict] = None) -> tuple[nn.Module, dict]:
+    """A drafter artifact; with `target_meta` (the target's sidecar), refuse one trained against another target."""
+    model, meta = load_artifact(path, "drafter", build_drafter)
+    trained_on = meta.get("made_from", {}).get("target_sha256")
+    if target_meta is not None and trained_on != target_meta["sha256"]:
+        raise CheckpointError(f"{path}: drafter trained against target {trained_on}, but the target given has "
+                              f"sha256 {target_meta['sha256']}: retrain it (`lisa train-drafter`)")
     return model.eval(), meta
 
 

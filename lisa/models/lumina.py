@@ -16,8 +16,8 @@ The image grammar (LumImage grammar of Lumina-mGPT, see ANCHORS.md): start-of-im
 vector (lisa.decoding.generate.force_tokens): grammar positions are forced, never sampled, drafted freely or verified.
 
 CFG as in Lumina-mGPT: the unconditional row is the image part alone (every prompt position masked out),
-batched with the conditional rows in one KV cache; `guided_logits_sequential` runs the two rows as separate
-forwards (Lumina-mGPT's own way), which the tests compare against the batched run.
+batched with the conditional rows in one KV cache; tests/test_lumina.py runs the two rows as separate forwards
+(Lumina-mGPT's own way) and compares them against the batched run.
 """
 from __future__ import annotations
 
@@ -370,16 +370,3 @@ def encode_prompts(path: str | Path, captions: list[str], prompt_len: int, image
                    template: str = PROMPT_TEMPLATE) -> tuple[Tensor, Tensor]:
     """prompt_encoder(...)(captions), for one call."""
     return prompt_encoder(path, prompt_len, image_size, template)(captions)
-
-
-@torch.no_grad()
-def guided_logits_sequential(model: Transformer, prompt: Tensor, prompt_mask: Tensor, tokens: Tensor,
-                             cfg_scale: float) -> Tensor:
-    """Guided logits (B, T, V) of a teacher-forced sequence, the conditional and the unconditional (image part
-    only) passes run separately, as Lumina-mGPT does. The decode loops batch them; this is the reference."""
-    from lisa.decoding.sampling import cfg_logits
-
-    c = model.teacher_forced(prompt, tokens, cond_mask=prompt_mask).logits
-    drop = torch.ones(prompt.shape[0], dtype=torch.bool, device=prompt.device)
-    u = model.teacher_forced(prompt, tokens, drop=drop, cond_mask=prompt_mask).logits
-    return cfg_logits(torch.cat([c, u]), cfg_scale)

@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from lisa.checkpoint import load_artifact
 from lisa.config import TrainJudgeParams
 from lisa.models.presets import build_config
 from lisa.training.loops import load_resume, lr_at, save_resume
@@ -115,6 +116,12 @@ def build(config: JudgeConfig | dict) -> nn.Module:
     if config.kind == "clip":
         return Clip(config)
     raise ValueError(f"unknown judge kind {config.kind!r} (classifier | clip)")
+
+
+def load_judge(path: str | Path) -> tuple[nn.Module, dict]:
+    """A judge artifact (`judge.safetensors` + `judge.json`) -> (model in eval mode, sidecar)."""
+    model, meta = load_artifact(path, "judge", build)
+    return model.eval(), meta
 
 
 def _batches(n: int, batch_size: int):

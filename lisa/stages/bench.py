@@ -1,0 +1,114 @@
+"""Speed stages: `bench` (vanilla decode of a random-weight target against its bare forwards) and `bench-spec` (every
+decoding method on a world's target and drafters, same conditions and seeds, in one run)."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from lisa.bench.speed import bench_speculative, bench_vanilla, markdown_table, speculative_markdown
+from lisa.checkpoint import write_json
+from lisa.config import BenchParams, BenchSpecParams, SampleParams, WorldParams
+from lisa.models.gpt import Transformer, gpt_config
+from lisa.models.llamagen import load_target, load_tokenizer
+from lisa.stages.common import (calibration_sha, class_names, load_geometry, method_drafters, text_encoder,
+                                world_sampling)
+from lisa.stages.paths import SharedPaths, Stage, WorldPaths
+from lisa.stages.render import plot_bench, write_lines
+
+
+def bench(p: BenchParams, shared: SharedPaths) -> dict:
+    """Vanilla decode speed of a random-weight target (e.g. GPT-B) on this machine, loop vs bare forwards
+    -> bench_dir/vanilla.{json,md}."""
+    if p.threads:
+        torch.set_num_threads(p.threads)
+    torch.manual_seed(p.seed)
+    cfg = gpt_config(**p.target)
+    model = Transformer(cfg).eval()
+    rows = bench_vanilla(model, min(p.num_tokens, cfg.block_size), p.batch_size, p.cfg_scales, p.repeats,
+                         p.warmup, p.seed)
+    name = p.target.get("preset", "custom")
+    result = {"target": p.target, "params": model.num_params(), "threads": torch.get_num_threads(),
+              "device": "cpu", "rows": rows}
+    write_json(shared.bench_dir / "vanilla.json", result)
+    title = (f"Vanilla decode, {name} ({model.num_params() / 1e6:.0f}M params, random weights), "
+             f"{result['threads']} threads")
+    write_lines(shared.bench_dir / "vanilla.md", [markdown_table(rows, title)], end="")
+    return result
+
+
+def _bench_conditions(world: WorldParams, cfg, sample_p: SampleParams, p: BenchSpecParams, target_path):
+    """(conditions, text encoding ms per prompt): batches of `p.per_class` seeds per class / prompt of `sample_p`,
+    each {"label", "cond"}; the text encoder is timed after a warm-up (None for c2i)."""
+    text_s = None
+    if cfg.model_type == "c2i":
+        names = class_names(world)
+        labels = [f"{c} {names[c]}" if names else str(c) for c in sample_p.classes for _ in range(p.per_class)]
+        cond = torch.tensor([c for c in sample_p.classes for _ in range(p.per_class)])
+    else:
+        if not sample_p.prompts:
+            raise ValueError(f"{target_path} is text-conditional: sample.prompts must list captions")
+        encode_text = text_encoder(world, cfg)
+        encode_text(sample_p.prompts[:1])  # warm-up
+        t0 = time.perf_counter()
+        feats = encode_text(list(sample_p.prompts))
+        text_s = (time.perf_counter() - t0) / len(sample_p.prompts)
+        labels = [q for q in sample_p.prompts for _ in range(p.per_class)]
+        cond = feats.repeat_interleave(p.per_class, dim=0)
+    conditions = [{"label": ", ".join(labels[i : i + p.batch_size]), "cond": cond[i : i + p.batch_size]}
+                  for i in range(0, len(cond), p.batch_size)]
+    return conditions, 1000 * text_s if text_s is not None else None
+
+
+def _check_methods(p: BenchSpecParams) -> None:
+    from lisa.decoding.verify import VERIFIERS
+
+    unknown = [m.method for m in p.methods if m.method != "vanilla" and m.method not in VERIFIERS]
+    if unknown:
+        raise ValueError(f"bench_spec.methods: unknown methods {unknown}; known: vanilla, {sorted(VERIFIERS)}")
+    if len({m.name for m in p.methods}) != len(p.methods):
+        raise ValueError(f"bench_spec.methods: names must be unique, got {[m.name for m in p.methods]}")
+
+
+def bench_spec(world: WorldParams, sample_p: SampleParams, p: BenchSpecParams, paths: WorldPaths) -> dict:
+    """Speculative decoding benchmark of a world's target and drafters: every method of `p.methods` on the same
+    classes / prompts (`sample_p`) with the same seeds, in one run -> bench_dir/<world>.{json,md,png}. Methods use
+    the release drafter or the LID one (BenchMethod.drafter); gasv reads the calibration."""
+    if p.threads:
+        torch.set_num_threads(p.threads)
+    model, target_meta = load_target(paths.target_file)
+    vq, vq_meta = load_tokenizer(paths.tokenizer_file)
+    cfg = model.config
+    _check_methods(p)
+    drafters = method_drafters(p.methods, {"release": paths.drafter_file, "lid": paths.lid_drafter_file}, target_meta)
+    geometry = load_geometry(model, target_meta, vq, p.methods, p.neighbours, paths.calibration_file)
+    conditions, text_ms = _bench_conditions(world, cfg, sample_p, p, paths.target_file)
+    sampling = world_sampling(world, p)  # the world's own values over the section's
+
+    def vq_decode(tokens):
+        with torch.inference_mode():
+            return vq.decode(model.image_codes(tokens))
+
+    report = bench_speculative(model, {k: d for k, (d, _) in drafters.items()}, conditions, p.methods, sampling,
+                               p.repeats, p.warmup, p.seed, geometry, p.auto, vq_decode)
+    report |= {"world": paths.world, "text_encode_ms_per_prompt": text_ms,
+               "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
+                            "cfg_scale": sampling.cfg_scale},
+               "target_sha256": target_meta["sha256"], "tokenizer_sha256": vq_meta["sha256"],
+               "drafter_sha256": {k: meta["sha256"] for k, (_, meta) in drafters.items()},
+               "calibration_sha256": calibration_sha(geometry)}
+    out, w = paths.bench_dir, paths.world
+    write_json(out / f"{w}.json", report)
+    title = (f"Speculative decoding, {paths.world}: {cfg.n_layer}-layer dim-{cfg.dim} target "
+             f"({model.num_params() / 1e6:.1f}M), T={sampling.temperature:g}, CFG {sampling.cfg_scale:g}, "
+             f"top-k {sampling.top_k or 'off'}")
+    write_lines(out / f"{w}.md", [speculative_markdown(report, title)], end="")
+    plot_bench(report, out / f"{w}.png", title)
+    return {m["name"]: {"ms_per_image": m["ms_per_image"], "speedup": m.get("speedup"), "tau": m["tau"]}
+            for m in report["methods"]}
+
+
+STAGES = {
+    "bench": Stage(lambda c: bench(c.params.bench, c.shared), out="bench_dir", world=False),
+    "bench-spec": Stage(lambda c: bench_spec(c.world, c.params.sample, c.params.bench_spec, c.paths), out="bench_dir"),
+}

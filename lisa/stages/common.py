@@ -1,0 +1,176 @@
+"""What several stages share: a world's sampling settings and text conditions, the target's codebook geometry, the
+images and codes of a world, the drafters and geometry the decoding methods read."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from lisa.checkpoint import read_state_dict
+from lisa.config import BenchMethod, WorldParams
+from lisa.data import datasets as data
+from lisa.data.text import CaptionEncoder
+from lisa.decoding.sampling import SamplingConfig
+from lisa.models.gpt import grammar_grid, square_image_grammar
+from lisa.models.llamagen import load_drafter
+from lisa.quality import judges
+
+# the verifiers of a drafter's trees (sjd / gsd draft themselves)
+DRAFTER_VERIFIERS = ("greedy", "exact", "lantern", "gasv")
+
+
+def world_sampling(world: WorldParams, p) -> SamplingConfig:
+    """The SamplingConfig of a sampling section `p`, with the world's own `sampling` values over it."""
+    known = {"temperature", "top_k", "top_p", "cfg_scale"}
+    over = world.sampling or {}
+    if set(over) - known:
+        raise ValueError(f"worlds.<world>.sampling: unknown keys {sorted(set(over) - known)}; known: {sorted(known)}")
+    v = {k: over.get(k, getattr(p, k)) for k in known}
+    return SamplingConfig(float(v["temperature"]), int(v["top_k"]), float(v["top_p"]), float(v["cfg_scale"]))
+
+
+def caption_encoder(world: WorldParams) -> CaptionEncoder:
+    """The world's caption encoder: MiniLM (the default) or a local model directory (T5)."""
+    return CaptionEncoder(None if world.caption_encoder in (None, "minilm") else world.caption_encoder)
+
+
+def text_encoder(world: WorldParams, cfg):
+    """captions -> conditions of a text-conditional target, its encoder loaded once: caption-encoder features (T5:
+    packed with their mask) for t2i; for lm targets (Lumina-mGPT) the prompt ids of the checkpoint's own tokenizer,
+    -1 at padding."""
+    if cfg.model_type == "lm":
+        from lisa.models.lumina import prompt_encoder
+
+        if not world.target_checkpoint:
+            raise ValueError("an lm (Lumina-mGPT) world needs target_checkpoint: its tokenizer encodes the prompts")
+        encode = prompt_encoder(world.target_checkpoint, cfg.cls_token_num, 16 * grammar_grid(cfg.block_size))
+
+        def prompts(captions):
+            ids, mask = encode(captions)
+            return torch.where(mask, ids, -1)
+
+        return prompts
+    encoder = caption_encoder(world)
+    return lambda captions: encoder.features(captions, cfg.cls_token_num)
+
+
+def text_conditions(world: WorldParams, cfg, captions: list[str]) -> torch.Tensor:
+    """text_encoder(world, cfg)(captions), for one call."""
+    return text_encoder(world, cfg)(captions)
+
+
+def class_names(world: WorldParams) -> Optional[list[str]]:
+    """The class names of a world's dataset (None without one)."""
+    return data.class_names(world.dataset.name, world.dataset.path) if world.dataset else None
+
+
+def caption_cond(t: dict, idx: torch.Tensor) -> torch.Tensor:
+    """Conditions of the captions `idx` from a codes file: features as fp32, or an lm target's prompt ids (long)."""
+    x = t["caption_feats"][idx]
+    return x.float() if x.is_floating_point() else x.long()
+
+
+def target_codebook(vq, cfg) -> torch.Tensor:
+    """The geometry of the target's vocabulary: the VQ codebook, extended for an lm target's grammar ids
+    (lisa.models.lumina.geometry_codebook)."""
+    if cfg.model_type == "lm":
+        from lisa.models.lumina import geometry_codebook
+
+        return geometry_codebook(vq.codebook(), cfg.vocab_size)
+    return vq.codebook()
+
+
+class GrammarVQ:
+    """A tokenizer that decodes an lm target's token sequences: the grammar tokens are dropped first."""
+
+    def __init__(self, vq, cfg):
+        self.vq, self.free = vq, square_image_grammar(cfg.free_vocab, cfg.block_size) < 0
+
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.vq.decode(tokens[:, self.free.to(tokens.device)])
+
+    def __getattr__(self, name):
+        return getattr(self.vq, name)
+
+
+def image_tokenizer(vq, cfg):
+    """What decodes the target's token sequences to images: the VQ model, or GrammarVQ for lm targets."""
+    return GrammarVQ(vq, cfg) if cfg.model_type == "lm" else vq
+
+
+def load_images(dataset_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """A built dataset -> (train images, test images) as uint8 tensors, and the DatasetDict."""
+    from datasets import load_from_disk
+
+    if not (Path(dataset_dir) / "dataset_dict.json").is_file():
+        raise FileNotFoundError(f"{dataset_dir}: no dataset_dict.json (run `lisa build-dataset` first)")
+    ds = load_from_disk(str(dataset_dir))
+    return data.images_tensor(ds["train"]), data.images_tensor(ds["test"]), ds
+
+
+def load_codes(codes_path: str | Path, model_type: str) -> dict[str, torch.Tensor]:
+    """codes.safetensors -> {"train_tokens", "train_cond", "test_tokens", "test_cond"} for the target's type."""
+    t = read_state_dict(codes_path)
+    out = {}
+    for split in ("train", "test"):
+        out[f"{split}_tokens"] = t[f"{split}_codes"].long()
+        out[f"{split}_cond"] = (t[f"{split}_labels"] if model_type == "c2i" else
+                                caption_cond(t, t[f"{split}_caption_idx"]))
+    return out
+
+
+def eval_conditions(cfg, codes: dict, captions_all: list[str], n: int):
+    """The conditions of quality evaluation: c2i classes in turn; t2i held-out captions in turn -> (conds, labels,
+    captions)."""
+    if cfg.model_type == "c2i":
+        labels = torch.arange(n) % cfg.num_classes
+        return labels, labels, []
+    idx = codes["test_caption_idx"][torch.arange(n) % len(codes["test_caption_idx"])]
+    return (caption_cond(codes, idx), codes["test_labels"][torch.arange(n) % len(codes["test_labels"])],
+            [captions_all[i] for i in idx.tolist()])
+
+
+def judge_scores(judge, images_u8: torch.Tensor, labels: torch.Tensor, captions: list[str]) -> tuple[str, float]:
+    """(score name, score) of uint8 images for their labels / captions: class consistency (%) or mean CLIP score."""
+    x = data.to_model_range(images_u8)
+    if judge.config.kind == "classifier":
+        return "class_consistency", 100 * judges.class_consistency(judge, x, labels)
+    return "clip_score", judges.clip_scores(judge, x, captions).mean().item()
+
+
+def method_drafters(methods, paths: dict, target_meta: dict) -> dict:
+    """{"release" | "lid": (drafter, sidecar)} for the drafters the methods use (BenchMethod.drafter), checked against
+    the target."""
+    out = {}
+    for which in sorted({m.drafter for m in methods if m.method in DRAFTER_VERIFIERS or m.tree == "auto"}):
+        path = paths.get(which)
+        if path is None or not Path(path).is_file():
+            users = [m.name for m in methods if m.drafter == which and m.method != "vanilla"]
+            raise FileNotFoundError(f"methods {users} need the {which} drafter: {path} not found "
+                                    f"({'`lisa train-drafter`' if which == 'release' else '`lisa ablate-lid`'})")
+        out[which] = load_drafter(path, target_meta)
+    return out
+
+
+def load_geometry(target, target_meta: dict, vq, methods: list[BenchMethod], neighbours: int,
+                  calibration_path: Optional[str | Path] = None):
+    """The codebook geometry the methods' verifiers read (None if none does): the neighbour table, and for gasv
+    the calibration of this very target (lisa.training.calibrate; another checkpoint's is a CalibrationError)."""
+    from lisa.decoding.verify import Geometry
+    from lisa.training.calibrate import load_calibration
+
+    used = {m.method for m in methods}
+    if not used & {"lantern", "gsd", "gasv"}:
+        return None
+    geometry = Geometry.from_codebook(target_codebook(vq, target.config), neighbours)
+    if "gasv" in used:
+        if calibration_path is None:
+            raise FileNotFoundError("gasv needs a calibration (`lisa calibrate`)")
+        geometry.calibration = load_calibration(calibration_path, target.output.weight, target_meta["sha256"])
+    return geometry
+
+
+def calibration_sha(geometry) -> Optional[str]:
+    """The sha256 of the calibration a geometry carries (None without one)."""
+    return geometry.calibration.meta["sha256"] if geometry is not None and geometry.calibration is not None else None

@@ -1,0 +1,229 @@
+"""Stages of LISA's drafting side: `train-drafter` (the baseline EAGLE-3 drafter), `cache-logits` (the target's logit
+cache), `ablate-lid` (LID against the baseline loss), `calibrate` (GASV's calibration of the target) and `bench-ddp`
+(drafter training throughput under DDP)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from lisa.checkpoint import file_sha256, save_artifact, write_json
+from lisa.config import (AblateLIDParams, CacheLogitsParams, CalibrateParams, SampleParams, TrainDrafterParams,
+                         WorldParams)
+from lisa.models.llamagen import load_target, load_tokenizer
+from lisa.stages.common import load_codes, target_codebook, text_conditions, world_sampling
+from lisa.stages.paths import Stage, WorldPaths
+from lisa.stages.render import ablation_markdown, ddp_markdown, write_lines
+from lisa.training import cache
+from lisa.training.distributed import init_distributed
+
+
+def _read_corpus(target, corpus_path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, cond) of a built corpus (lisa/data/corpus.py) for the target."""
+    from lisa.data.corpus import read_corpus
+
+    c = read_corpus(corpus_path, target.config.model_type, target.config.cls_token_num)
+    return c["tokens"], c["cond"]
+
+
+def train_drafter(p: TrainDrafterParams, paths: WorldPaths, corpus: Optional[str | Path] = None) -> dict:
+    """Baseline EAGLE-3 drafter (TTT, soft CE to the target) for a world's target, on its training codes (or a
+    built corpus). Under torchrun: DDP over the ranks; rank 0 writes the drafter and reports."""
+    from lisa.training.drafter import new_drafter, train_drafter as train
+
+    rank = init_distributed()
+    target, target_meta = load_target(paths.target_file)
+    d = load_codes(paths.codes_file, target.config.model_type)
+    tokens, cond = (d["train_tokens"], d["train_cond"]) if corpus is None else _read_corpus(target, corpus)
+    torch.manual_seed(p.seed)
+    drafter = new_drafter(target)
+    metrics = train(drafter, target, tokens, cond, d["test_tokens"][:512], d["test_cond"][:512], p, paths.drafter_work,
+                    curves=paths.drafter_curves, target_id=target_meta["sha256"])
+    if rank != 0:
+        return {"rank": rank}
+    meta = save_artifact(drafter.cpu(), paths.drafter_file, "drafter", drafter.config, step=p.steps, seed=p.seed,
+                         made_from={"target": str(paths.target_file), "target_sha256": target_meta["sha256"],
+                                    "codes": str(corpus or paths.codes_file)},
+                         extra={"metrics": metrics})
+    write_json(paths.drafter_report, metrics)
+    return metrics | {"sha256": meta["sha256"]}
+
+
+def cache_logits(p: CacheLogitsParams, paths: WorldPaths, corpus: Optional[str | Path] = None) -> dict:
+    """The target logit cache of a world's training codes (lisa/training/cache.py). Under torchrun each rank writes its
+    shards (gloo or nccl process group for the final barrier); rank 0 writes the manifest and the report."""
+    rank, world_size = init_distributed(), cache.dist_env()[1]
+    target, target_meta = load_target(paths.target_file)
+    if corpus is None:
+        d = load_codes(paths.codes_file, target.config.model_type)
+        all_tokens, all_cond = d["train_tokens"], d["train_cond"]
+    else:
+        all_tokens, all_cond = _read_corpus(target, corpus)
+    n = len(all_tokens) if p.max_sequences is None else min(p.max_sequences, len(all_tokens))
+    tokens, cond = all_tokens[:n], all_cond[:n]
+    spec = cache.CacheSpec(p.K, p.shard_size, p.batch_size, p.uncond_every)
+    t0 = time.perf_counter()
+    cache.write_cache(target, target_meta["sha256"], tokens, cond, spec, paths.cache_dir, rank, world_size)
+    elapsed = time.perf_counter() - t0
+    if world_size > 1:
+        dist.barrier()
+    if rank != 0:
+        return {"rank": rank}
+    source = ({"corpus": str(corpus), "corpus_manifest_sha256": file_sha256(Path(corpus) / "manifest.json")}
+              if corpus is not None else
+              {"codes": str(paths.codes_file), "codes_sha256": file_sha256(paths.codes_file)})
+    manifest = cache.write_manifest(paths.cache_dir, target_meta["sha256"], spec, n, tokens.shape[1], extra=source)
+    metrics = {"sequences": n, "tokens": manifest["tokens"], "bytes": manifest["bytes"],
+               "bytes_per_token": manifest["bytes_per_token"], "K": p.K, "workers": world_size,
+               "write_s": elapsed, "write_tokens_per_s": manifest["tokens"] / elapsed,
+               "target_sha256": target_meta["sha256"]}
+    metrics |= cache.throughput(target, tokens, cond, spec)
+    write_json(paths.cache_report, metrics)
+    return metrics
+
+
+def _tau_exact(target, drafter, cond: torch.Tensor, sampling, spec, seed: int) -> list[float]:
+    """The acceptance length of each condition under exact verification, condition i seeded (seed, i)."""
+    from lisa.decoding.generate import speculative_generate
+
+    taus = []
+    for i in range(len(cond)):
+        _, stats = speculative_generate(target, drafter, cond[i : i + 1], sampling, spec,
+                                        torch.Generator().manual_seed(seed * 1_000_003 + i))
+        taus.append(stats["tau"])
+    return taus
+
+
+def ablate_lid(world: WorldParams, train_p: TrainDrafterParams, p: AblateLIDParams, sample_p: SampleParams,
+               paths: WorldPaths) -> dict:
+    """LID vs the baseline loss, same data (the logit cache), steps and seed: two drafters, then the acceptance
+    length tau of each under `exact` verification on the same conditions and seeds."""
+    from lisa.decoding.generate import SpecConfig
+    from lisa.training.distill import LIDConfig
+    from lisa.training.drafter import new_drafter, train_drafter as train
+
+    target, target_meta = load_target(paths.target_file)
+    vq, _ = load_tokenizer(paths.tokenizer_file)
+    lc = cache.open_cache(paths.cache_dir, target_meta["sha256"])
+    d = load_codes(paths.codes_file, target.config.model_type)
+    tp = dataclasses.replace(train_p, steps=p.steps)
+    lid = (target_codebook(vq, target.config), LIDConfig(**dataclasses.asdict(p.lid)))
+    if target.config.model_type == "c2i":
+        cond = torch.tensor([c for c in sample_p.classes for _ in range(p.per_class)])
+    else:
+        cond = text_conditions(world, target.config, list(sample_p.prompts)).repeat_interleave(p.per_class, 0)
+    sampling = world_sampling(world, p)  # the world's own values over the section's
+    spec = SpecConfig("exact", p.tree, p.depth, p.top_k_draft, p.total_tokens)
+    results = {}
+    for name, loss in (("baseline", None), ("lid", lid)):
+        torch.manual_seed(tp.seed)
+        drafter = new_drafter(target)
+        m = train(drafter, target, d["train_tokens"], d["train_cond"], d["test_tokens"][:512], d["test_cond"][:512],
+                  tp, paths.ablation_work / name, cache=lc, lid=loss, curves=paths.ablation_report / name,
+                  target_id=target_meta["sha256"])
+        save_artifact(drafter, paths.ablation_dir / f"{name}.safetensors", "drafter", drafter.config, step=tp.steps,
+                      seed=tp.seed, made_from={"target_sha256": target_meta["sha256"], "loss": name,
+                                               "cache": str(paths.cache_dir)}, extra={"metrics": m})
+        taus = _tau_exact(target, drafter, cond, sampling, spec, p.seed)
+        results[name] = m | {"tau_exact": sum(taus) / len(taus), "tau_per_condition": taus}
+    metrics = {"steps": tp.steps, "conditions": len(cond), "tree": dataclasses.asdict(spec),
+               "baseline_tau": results["baseline"]["tau_exact"], "lid_tau": results["lid"]["tau_exact"],
+               "lid_over_baseline": results["lid"]["tau_exact"] / results["baseline"]["tau_exact"],
+               "lid": dataclasses.asdict(p.lid), "runs": results, "target_sha256": target_meta["sha256"]}
+    write_json(paths.ablation_report / "metrics.json", metrics)
+    write_lines(paths.ablation_report / "table.md",
+                ablation_markdown(results, spec, sampling, tp.steps, len(cond), metrics["lid_over_baseline"]))
+    return {k: v for k, v in metrics.items() if k != "runs"}
+
+
+def calibrate(p: CalibrateParams, paths: WorldPaths) -> dict:
+    """GASV's calibration of a target checkpoint from its output head, its codebook and its logit cache
+    -> calibration_dir/calibration.{safetensors,json} (the JSON records the target's sha256)."""
+    from lisa.training.calibrate import CalibrateConfig, calibrate as fit, save_calibration
+
+    model, target_meta = load_target(paths.target_file)
+    vq, vq_meta = load_tokenizer(paths.tokenizer_file)
+    lc = cache.open_cache(paths.cache_dir, target_meta["sha256"])
+    cal = fit(model.output.weight, target_codebook(vq, model.config), lc, CalibrateConfig(**dataclasses.asdict(p)),
+              {"target": str(paths.target_file), "target_sha256": target_meta["sha256"],
+               "tokenizer": str(paths.tokenizer_file), "tokenizer_sha256": vq_meta["sha256"],
+               "cache": str(paths.cache_dir)})
+    meta = save_calibration(cal, paths.calibration_dir)
+    metrics = {k: meta[k] for k in ("positions", "clusters_used_by_top1", "clusters_with_own_budget", "beta_global",
+                                    "looseness_ref", "share_within_budget", "calibrate_s", "sha256")}
+    metrics |= {"beta_min": min(meta["beta"]), "beta_max": max(meta["beta"]), "target_sha256": target_meta["sha256"],
+                "calibrated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    write_json(paths.calibration_report, metrics)
+    return metrics
+
+
+def needs_recalibration(target_path: str | Path, calibration_dir: str | Path) -> Optional[str]:
+    """Why the calibration in calibration_dir no longer fits the target checkpoint (None if it does): compares the
+    checkpoint's content hash with the one the calibration recorded (a touch changes nothing)."""
+    side = Path(calibration_dir) / "calibration.json"
+    if not side.is_file():
+        return f"no calibration at {side}"
+    made = json.loads(side.read_text()).get("made_from", {}).get("target_sha256")
+    now = file_sha256(target_path)
+    return None if made == now else (f"{target_path} has sha256 {now[:12]}, the calibration was made for "
+                                     f"{str(made)[:12]}")
+
+
+def bench_ddp(params_path: Path, paths: WorldPaths, steps: int = 40) -> dict:
+    """Drafter training steps/s: 1 process (2 threads, 1 thread) against `torchrun --nproc_per_node 2` DDP (gloo,
+    1 thread each), same params and global batch, run one after another on this machine. Each run is `lisa
+    train-drafter` in a subprocess with its own scratch folders under bench_ddp_work; timing covers training steps
+    only -> bench_ddp_report.{json,md}."""
+    bin_dir = Path(sys.executable).parent
+    lisa_bin = str(bin_dir / "lisa")
+    runs = [("1 process, 2 threads", [lisa_bin], 2), ("1 process, 1 thread", [lisa_bin], 1),
+            ("2 processes (DDP, gloo), 1 thread each",
+             [str(bin_dir / "torchrun"), "--nproc_per_node", "2", "--no-python", lisa_bin], 1)]
+    rows = []
+    for i, (name, launcher, threads) in enumerate(runs):
+        w = paths.bench_ddp_work / f"run{i}"
+        shutil.rmtree(w, ignore_errors=True)
+        cmd = launcher + ["train-drafter", "--world", paths.world, "--params", str(params_path), "--steps", str(steps),
+                          "--out", str(w / "drafter"), "--report", str(w / "report.json"), "--work", str(w / "work"),
+                          "--curves", str(w / "curves")]
+        proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": str(threads)}, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+        r = json.loads((w / "report.json").read_text())
+        rows.append({"run": name, "processes": r["world_size"], "threads_per_process": threads,
+                     "steps": steps, "steps_per_s": r["steps_per_s_this_run"]})
+    for r in rows:
+        r["vs_1_process_2_threads"] = r["steps_per_s"] / rows[0]["steps_per_s"]
+    report = {"world": paths.world, "rows": rows, "cpus": os.cpu_count()}
+    out = paths.bench_ddp_report
+    write_json(out.with_suffix(".json"), report)
+    write_lines(out.with_suffix(".md"), ddp_markdown(paths.world, steps, rows))
+    return report
+
+
+def _train_drafter_params(p: TrainDrafterParams, steps: Optional[int]) -> TrainDrafterParams:
+    return dataclasses.replace(p, steps=steps) if steps is not None else p
+
+
+STAGES = {
+    "train-drafter": Stage(lambda c, steps=None, corpus=None: train_drafter(
+        _train_drafter_params(c.params.train_drafter, steps), c.paths, corpus),
+        out="drafter_dir", report="drafter_report", work="drafter_work"),
+    "cache-logits": Stage(lambda c, corpus=None: cache_logits(c.params.cache_logits, c.paths, corpus),
+                          out="cache_dir", report="cache_report"),
+    "ablate-lid": Stage(lambda c: ablate_lid(c.world, c.params.train_drafter, c.params.ablate_lid, c.params.sample,
+                                             c.paths), out="ablation_dir"),
+    "calibrate": Stage(lambda c: calibrate(c.params.calibrate, c.paths), out="calibration_dir",
+                       report="calibration_report"),
+    "bench-ddp": Stage(lambda c, steps=40: bench_ddp(c.params_path, c.paths, steps), out="bench_ddp_report",
+                       work="bench_ddp_work"),
+}

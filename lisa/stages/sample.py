@@ -1,0 +1,130 @@
+"""Stages that sample a world's target: `sample` (a grid, with any decoding method) and `premise` (LISA's premise
+measured on held-out codes)."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+from tqdm import tqdm
+
+from lisa.checkpoint import atomic_write, write_json
+from lisa.config import AutoTreeParams, BenchMethod, PremiseParams, SampleParams, WorldParams
+from lisa.data import datasets as data
+from lisa.data.images import save_grid
+from lisa.bench.speed import auto_tree
+from lisa.decoding.sampling import SamplingConfig
+from lisa.models.llamagen import load_drafter, load_target, load_tokenizer
+from lisa.quality.premise import premise_stats
+from lisa.stages.common import class_names, load_codes, load_geometry, target_codebook, text_conditions, world_sampling
+from lisa.stages.paths import Stage, WorldPaths
+
+
+def _grid_rows(world: WorldParams, cfg, p: SampleParams, target_path) -> tuple[list[str], torch.Tensor]:
+    """The grid's rows (class ids or prompts) and the conditions of its images, `per_class` per row."""
+    if cfg.model_type == "c2i":
+        bad = [c for c in p.classes if not 0 <= c < cfg.num_classes]
+        if bad:
+            raise ValueError(f"sample.classes {bad} out of range for {cfg.num_classes} classes ({target_path})")
+        return [str(c) for c in p.classes], torch.tensor([c for c in p.classes for _ in range(p.per_class)])
+    rows = data.coco_prompts(p.prompts_file, p.num_prompts) if p.prompts_file else list(p.prompts)
+    if not rows:
+        raise ValueError(f"{target_path} is text-conditional: sample.prompts (or prompts_file) must give captions")
+    # (N, C, D); T5 (LlamaGen-T2I): 120 left-padded positions with their mask packed in; lm: prompt ids
+    return rows, text_conditions(world, cfg, rows).repeat_interleave(p.per_class, dim=0)
+
+
+def sample(world: WorldParams, p: SampleParams, paths: WorldPaths) -> dict:
+    """Sampling, `per_class` images per grid row: one row per class (c2i) or per prompt (t2i), decoded with
+    `p.method`: vanilla, or a verifier (greedy / exact / lantern / gasv read the drafter, gasv the calibration)
+    -> samples_dir/{grid.png, tokens.pt, metrics.json}."""
+    model, target_meta = load_target(paths.target_file)
+    vq, vq_meta = load_tokenizer(paths.tokenizer_file)
+    cfg = model.config
+    if (cfg.free_vocab or cfg.vocab_size) != vq.config.codebook_size:
+        raise ValueError(f"{paths.target_file} samples {cfg.free_vocab or cfg.vocab_size} codes but "
+                         f"{paths.tokenizer_file} has codebook_size {vq.config.codebook_size}")
+    rows, cond = _grid_rows(world, cfg, p, paths.target_file)
+    sampling = world_sampling(world, p)
+    gen = torch.Generator().manual_seed(p.seed)
+    tokens, images, taus, decode_s, auto = [], [], [], 0.0, {}
+    t0 = time.perf_counter()
+    decode = _decoder(model, vq, target_meta, p, paths.drafter_file, calib=cond[: p.batch_size], auto=auto,
+                      calibration_path=paths.calibration_file)
+    for batch in tqdm(cond.split(p.batch_size), desc=f"sample ({p.method})", unit="batch"):
+        tok, stats = decode(batch, sampling, gen)
+        taus.append(stats.get("tau", 1.0))
+        t1 = time.perf_counter()
+        with torch.inference_mode():
+            images.append(vq.decode(model.image_codes(tok)))
+        decode_s += time.perf_counter() - t1
+        tokens.append(tok)
+    total_s = time.perf_counter() - t0
+    out = paths.samples_dir
+    names = class_names(world) if cfg.model_type == "c2i" else None
+    save_grid(torch.cat(images), out / "grid.png", nrow=p.per_class,
+              labels=[f"{r} {names[int(r)]}" for r in rows] if names else rows)
+    tokens = torch.cat(tokens)
+    atomic_write(out / "tokens.pt", lambda tmp: torch.save({"rows": rows, "tokens": tokens}, tmp))
+    metrics = {"images": len(cond), "rows": rows, "decode_loop_s": total_s - decode_s, "vq_decode_s": decode_s,
+               "s_per_image": (total_s - decode_s) / len(cond), "method": p.method, "tau": sum(taus) / len(taus),
+               **({"auto_tree": auto} if auto else {}),
+               "target_sha256": target_meta["sha256"], "tokenizer_sha256": vq_meta["sha256"]}
+    write_json(out / "metrics.json", metrics)
+    return metrics
+
+
+def _decoder(model, vq, target_meta: dict, p: SampleParams, drafter_path, calib=None, auto: Optional[dict] = None,
+             calibration_path=None):
+    """(cond, sampling, generator) -> (tokens, stats) for the method p.method. With p.tree "auto", the cost model
+    picks depth and total_tokens from decoding the conditions `calib` on this machine (recorded in `auto`)."""
+    from lisa.decoding.generate import SpecConfig, decoder
+    from lisa.decoding.verify import VERIFIERS
+
+    if p.method != "vanilla" and p.method not in VERIFIERS:
+        raise ValueError(f"sample.method {p.method!r}: not 'vanilla' nor a verifier {sorted(VERIFIERS)}")
+    # the neighbour table is V x V work: only for the verifiers that read it
+    geometry = load_geometry(model, target_meta, vq, [BenchMethod(p.method, p.method)], p.neighbours, calibration_path)
+    drafter = None
+    if p.method not in ("vanilla", "sjd", "gsd"):
+        if drafter_path is None or not Path(drafter_path).is_file():
+            raise FileNotFoundError(f"sample.method {p.method!r} needs a drafter: {drafter_path} not found "
+                                    "(`lisa train-drafter`)")
+        drafter, _ = load_drafter(drafter_path, target_meta)
+    depth, total = p.depth, p.total_tokens
+    if p.tree == "auto" and drafter is not None:
+        method = BenchMethod(p.method, p.method, "auto", top_k_draft=p.top_k_draft, options=p.options)
+        sampling = SamplingConfig(p.temperature, p.top_k, p.top_p, p.cfg_scale)
+        choice = auto_tree(model, drafter, [{"label": "calibration", "cond": calib}], method, sampling, p.seed,
+                           geometry, AutoTreeParams(calib_conditions=1))
+        depth, total = choice.depth, choice.total_tokens
+        if auto is not None:
+            auto.update(depth=depth, total_tokens=total, why=choice.why)
+    spec = SpecConfig(p.method, "dynamic" if p.tree == "auto" else p.tree, depth, p.top_k_draft, total)
+    return decoder(model, p.method, drafter, spec, p.window, geometry, p.options)
+
+
+def premise(p: PremiseParams, paths: WorldPaths) -> dict:
+    """LISA's premise on held-out data: flat over ids (U, top-1 prob) yet gathered in codebook neighbourhoods."""
+    model, target_meta = load_target(paths.target_file)
+    vq, _ = load_tokenizer(paths.tokenizer_file)
+    d = load_codes(paths.codes_file, model.config.model_type)
+    n = min(p.max_sequences, len(d["test_tokens"]))
+    stats = premise_stats(model, target_codebook(vq, model.config), d["test_tokens"][:n], d["test_cond"][:n],
+                          p.cfg_scale, tuple(p.neighbours), seed=p.seed)
+    stats["target_sha256"] = target_meta["sha256"]
+    write_json(paths.premise_report, stats)
+    return stats
+
+
+def _sample_params(p: SampleParams, method: Optional[str]) -> SampleParams:
+    return dataclasses.replace(p, method=method) if method else p
+
+
+STAGES = {
+    "sample": Stage(lambda c, method=None: sample(c.world, _sample_params(c.params.sample, method), c.paths),
+                    out="samples_dir"),
+    "premise": Stage(lambda c: premise(c.params.premise, c.paths), out="premise_report"),
+}

@@ -1,0 +1,88 @@
+"""`lisa <stage>` (the CLI, which dvc.yaml calls) and the Prefect task of the same name call every stage function
+with identical arguments: the same params sections, world params and paths."""
+from pathlib import Path
+
+import pytest
+
+import tasks.stages as tasks
+from lisa.cli import main
+from lisa.config import profile_text
+from lisa.stages import STAGES, WorldPaths, bench, build, corpora, drafter, quality, report, sample
+
+# stage -> (its module, its function, the task of the same name)
+FUNCTIONS = {
+    "build-dataset": (build, "build_dataset", tasks.build_dataset),
+    "train-tokenizer": (build, "train_tokenizer", tasks.train_tokenizer),
+    "encode": (build, "encode", tasks.encode),
+    "train-target": (build, "train_target", tasks.train_target),
+    "init-tokenizer": (build, "init_tokenizer", tasks.init_tokenizer),
+    "init-target": (build, "init_target", tasks.init_target),
+    "sample": (sample, "sample", tasks.sample),
+    "premise": (sample, "premise", tasks.premise),
+    "fid-reference": (quality, "fid_reference", tasks.fid_reference),
+    "train-judge": (quality, "train_judge", tasks.train_judge),
+    "evaluate": (quality, "evaluate", tasks.evaluate),
+    "eval-method": (quality, "eval_method", tasks.eval_method),
+    "train-drafter": (drafter, "train_drafter", tasks.train_drafter),
+    "cache-logits": (drafter, "cache_logits", tasks.cache_logits),
+    "ablate-lid": (drafter, "ablate_lid", tasks.ablate_lid),
+    "calibrate": (drafter, "calibrate", tasks.calibrate),
+    "bench-ddp": (drafter, "bench_ddp", tasks.bench_ddp),
+    "laion-fixture": (corpora, "laion_fixture", tasks.laion_fixture),
+    "build-laion-coco": (corpora, "build_laion_coco", tasks.build_laion_coco),
+    "build-self-generated": (corpora, "build_self_generated", tasks.build_self_generated),
+    "bench": (bench, "bench", tasks.bench),
+    "bench-spec": (bench, "bench_spec", tasks.bench_spec),
+    "table": (report, "results_table", tasks.table),
+}
+OPTIONS = {"eval-method": (["--method", "vanilla"], {"method": "vanilla"})}
+
+
+@pytest.fixture
+def calls(tmp_path, monkeypatch):
+    """A micro params.yaml in the working directory; every stage function records its arguments instead of
+    running."""
+    monkeypatch.chdir(tmp_path)
+    Path("params.yaml").write_text(profile_text("micro"))
+    seen = []
+    for module, name, _ in FUNCTIONS.values():
+        monkeypatch.setattr(module, name, lambda *args, **kwargs: seen.append((args, kwargs)) or {})
+    return seen
+
+
+def test_every_stage_has_a_task_of_its_name():
+    assert set(FUNCTIONS) == set(STAGES)
+    assert all(task.name == stage for stage, (_, _, task) in FUNCTIONS.items())
+
+
+@pytest.mark.parametrize("stage", sorted(FUNCTIONS))
+def test_cli_and_task_call_a_stage_alike(calls, stage):
+    world = "fashion-c2i" if STAGES[stage].world else None
+    flags, options = OPTIONS.get(stage, ([], {}))
+    assert main([stage, "--params", "params.yaml"] + (["--world", world] if world else []) + flags) == 0
+    FUNCTIONS[stage][2].fn("params.yaml", world, **options)
+    assert len(calls) == 2 and calls[0] == calls[1]
+
+
+def test_sample_gets_the_drafter_and_calibration_from_both(calls):
+    """The Prefect sample task once passed neither: with sample.method exact, `dvc repro` worked and the flow
+    failed."""
+    main(["sample", "--world", "fashion-c2i", "--out", "x", "--target", "t.safetensors", "--method", "exact"])
+    tasks.sample.fn("params.yaml", "fashion-c2i", out="x", target_file="t.safetensors", method="exact")
+    assert calls[0] == calls[1]
+    world, p, paths = calls[0][0]
+    assert p.method == "exact" and paths == WorldPaths.of("fashion-c2i", samples_dir="x", target_file="t.safetensors")
+    assert paths.drafter_file == Path("data/drafter/fashion-c2i/drafter.safetensors")
+    assert paths.calibration_file == Path("data/calibration/fashion-c2i/calibration.safetensors")
+
+
+def test_paths_are_those_of_dvc_yaml():
+    """WorldPaths spells out the outs of dvc.yaml (and the committed artifacts' places)."""
+    p = WorldPaths.of("w", "root")
+    assert p.target_file == Path("root/data/target/w/model.safetensors")
+    assert p.tokenizer_file == Path("root/data/tokenizer/w/tokenizer.safetensors")
+    assert p.lid_drafter_file == Path("root/data/ablation/w/lid.safetensors")
+    assert p.cells_dir == Path("root/reports/quality/w/methods")
+    assert p.self_generated_report == Path("root/reports/corpora/self-generated-w.json")
+    moved = WorldPaths.of("w", "root", target_dir="elsewhere")
+    assert moved.target_file == Path("elsewhere/model.safetensors")
