@@ -158,7 +158,7 @@ class _Method:
     @classmethod
     def _known(cls, v: str) -> str:
         if v != "vanilla" and v not in verify.VERIFIERS:
-            raise ValueError(f"unknown decoding method {v!r}; known: vanilla, {', '.join(sorted(verify.VERIFIERS))}")
+            raise ValueError(f"decoding method {v!r}: not 'vanilla' nor a verifier {sorted(verify.VERIFIERS)}")
         return v
 
 
