@@ -20,6 +20,10 @@ correction after a rejection, or the bonus token after a leaf. Acceptance length
   * sampled siblings (i.i.d. from q, SpecInfer): accept x with probability min(1, r(x) / q(x)); on rejection
     r = norm(max(r - q, 0)) (recursive rejection sampling).
 `greedy` accepts the child equal to argmax p and emits argmax p: speculative greedy = vanilla greedy.
+
+Each verifier registers with a frozen dataclass of its knobs (LanternOptions, GSDOptions, GASVOptions; NoOptions
+for greedy / exact / sjd), the only place their defaults live; `verifier_options(name, dict)` checks a mapping of
+knobs against it (an unknown key is a ValueError naming the verifier and the keys it allows).
 """
 from __future__ import annotations
 
