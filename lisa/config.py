@@ -3,19 +3,26 @@
 One section per pipeline stage (`build_dataset`, `train_tokenizer`, `encode`, `train_target`, `init_target`,
 `init_tokenizer`, `sample`, `premise`, the training and quality stages, `bench`, `bench_spec`) plus `worlds`:
 each world is one target family with its tokenizer (the stages loop over worlds). Named profiles (`micro` for
-CI, `toy`, the default params.yaml) live in lisa/profiles/. Validation uses pydantic dataclasses with extra keys
-forbidden.
+CI, `real`; the default is params.yaml) live in lisa/profiles/. Validation uses pydantic dataclasses with extra
+keys forbidden. A decoding method is one type, `DecodeMethod` (its verifier options are checked at load); every
+sampling section inherits the top-level `sampling` values it does not set (`inherit_sampling`).
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
+import typing
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 import yaml
-from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, ValidationInfo, field_validator
 from pydantic.dataclasses import dataclass
 
+from lisa.decoding import verify
+from lisa.decoding.generate import SpecConfig, decoder
+from lisa.decoding.sampling import SamplingConfig
 from lisa.models.gpt import GPTConfig, gpt_config
 from lisa.models.vq import VQConfig, vq_config
 
@@ -47,6 +54,19 @@ class WorldParams:
     # this world's sampling settings (temperature, top_k, top_p, cfg_scale), over every sampling section's:
     # real targets differ (LlamaGen-T2I cfg 7.5 top-k 1000, C2I cfg 4.0 top-k 2000, Lumina-mGPT cfg 3.0 top-k 2000)
     sampling: Optional[dict[str, float]] = None
+
+    @field_validator("sampling")
+    @classmethod
+    def _sampling_keys(cls, v: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
+        unknown = sorted(set(v or {}) - SAMPLING_KEYS)
+        if unknown:
+            raise ValueError(f"worlds.<world>.sampling: unknown keys {unknown}; known: {sorted(SAMPLING_KEYS)}")
+        return v
+
+    def sampling_config(self, section: "Sampling") -> SamplingConfig:
+        """The SamplingConfig of a sampling section, with this world's own `sampling` values over it."""
+        v = {k: (self.sampling or {}).get(k, getattr(section, k)) for k in SAMPLING_KEYS}
+        return SamplingConfig(float(v["temperature"]), int(v["top_k"]), float(v["top_p"]), float(v["cfg_scale"]))
 
     def gpt_config(self) -> GPTConfig:
         return gpt_config(**self.target)
@@ -106,17 +126,99 @@ class InitTokenizerParams:
 
 
 @dataclass(config=STRICT)
-class SamplingParams:
-    """What every sampling stage shares (lisa.decoding.sampling.SamplingConfig, plus a seed)."""
+class Sampling:
+    """The top-level `sampling` section (lisa.decoding.sampling.SamplingConfig): the values every sampling section
+    inherits unless it sets its own; a world's `sampling` is over both."""
     temperature: float = 1.0
-    top_k: int = 0
+    top_k: int = 0  # keep the k most likely tokens (0 = all)
     top_p: float = 1.0
     cfg_scale: float = 4.0
-    seed: int = 0
+
+
+SAMPLING_KEYS = frozenset(f.name for f in dataclasses.fields(Sampling))
 
 
 @dataclass(config=STRICT)
-class SampleParams(SamplingParams):
+class SamplingParams(Sampling):
+    """What every sampling stage shares: the sampling values (inherited from `sampling`) and a seed."""
+    seed: int = 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A decoding method: the one type behind sample's method keys, bench_spec.methods, table.cells and ablate_lid's tree.
+# (The small bases only order the fields: `method` first, then the tree, as in `BenchMethod(name, method, tree)`.)
+
+
+@dataclass(config=STRICT)
+class _Method:
+    # vanilla, or a verifier: greedy, exact, lantern, gasv (a drafter's trees), sjd, gsd (drafter-free)
+    method: str = "vanilla"
+
+    @field_validator("method")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v != "vanilla" and v not in verify.VERIFIERS:
+            raise ValueError(f"decoding method {v!r}: not 'vanilla' nor a verifier {sorted(verify.VERIFIERS)}")
+        return v
+
+
+@dataclass(config=STRICT)
+class DraftTree:
+    """The draft tree of a speculative method (lisa.decoding.generate.SpecConfig)."""
+    tree: Literal["dynamic", "static", "chain", "auto"] = "dynamic"  # auto: lisa.decoding.costmodel picks the size
+    depth: int = 4  # draft levels
+    top_k_draft: int = 4  # children per expanded node (dynamic, static)
+    total_tokens: int = 16  # draft nodes verified per round (dynamic, static)
+    draft: Literal["topk"] = "topk"  # how siblings are drafted: the drafter's top-k (deterministic siblings)
+
+    def spec_config(self, verifier: str) -> SpecConfig:
+        """The tree as the decode loop reads it; tree "auto" must be resolved first (lisa.bench.speed.auto_tree)."""
+        if self.tree == "auto":
+            raise ValueError("tree 'auto' is resolved by the cost model before decoding (lisa.bench.speed.auto_tree)")
+        return SpecConfig(verifier, self.tree, self.depth, self.top_k_draft, self.total_tokens)
+
+
+@dataclass(config=STRICT)
+class DecodeMethod(DraftTree, _Method):
+    """A decoding method: vanilla, a verifier of a drafter's trees (DraftTree), or a drafter-free Jacobi verifier
+    over a window; `options` are the verifier's knobs, checked against its options type at load
+    (lisa.decoding.verify.verifier_options)."""
+    window: int = 16  # sjd / gsd draft window
+    options: dict[str, float] = Field(default_factory=dict)  # e.g. lantern {k, delta}, gasv {kappa, lambda, k}
+    drafter: Literal["release", "lid"] = "release"  # data/drafter/<world> (baseline loss) | ablate-lid's LID drafter
+
+    @field_validator("options")
+    @classmethod
+    def _options(cls, v: dict[str, float], info: ValidationInfo) -> dict[str, float]:
+        method = info.data.get("method")
+        if method == "vanilla" and v:
+            raise ValueError(f"vanilla decoding takes no options, got {sorted(v)}")
+        if method not in (None, "vanilla"):
+            verify.verifier_options(method, v)
+        return v
+
+    @property
+    def drafts_tree(self) -> bool:
+        """Whether the method verifies a drafter's trees (and so needs a drafter and a SpecConfig)."""
+        return self.method != "vanilla" and not verify.is_jacobi(self.method)
+
+    def verifier_options(self):
+        """The typed options of the method's verifier (None for vanilla)."""
+        return None if self.method == "vanilla" else verify.verifier_options(self.method, self.options)
+
+    def spec(self) -> Optional[SpecConfig]:
+        """The SpecConfig of a tree-verified method, None for vanilla / sjd / gsd."""
+        return self.spec_config(self.method) if self.drafts_tree else None
+
+    def decoder(self, target, drafter=None, geometry=None, measure: bool = False) -> Callable:
+        """(cond, sampling, generator, cond_mask=None, forced=None) -> (tokens, stats) decoding with this method
+        (lisa.decoding.generate.decoder)."""
+        return decoder(target, self.method, drafter, self.spec(), self.window, geometry, self.verifier_options(),
+                       measure)
+
+
+@dataclass(config=STRICT)
+class SampleParams(SamplingParams, DecodeMethod):
     classes: list[int] = Field(default_factory=lambda: list(range(10)))  # c2i: one grid row per class
     prompts: list[str] = Field(default_factory=list)  # t2i: one grid row per caption
     # t2i: MS-COCO 2017 captions (captions_val2017.json), the longest caption per image, the first `num_prompts`
@@ -125,15 +227,14 @@ class SampleParams(SamplingParams):
     num_prompts: int = 16
     per_class: int = 4
     batch_size: int = 8
-    # decoding method: vanilla, or a verifier name (greedy, exact, lantern with a drafter; sjd, gsd drafter-free)
-    method: str = "vanilla"
-    tree: str = "dynamic"  # speculative: dynamic | static | chain | auto (lisa.decoding.costmodel picks depth, total_tokens)
-    depth: int = 4
-    top_k_draft: int = 4  # children per expanded node (dynamic tree)
-    total_tokens: int = 16  # draft nodes kept (dynamic tree)
-    window: int = 16  # sjd / gsd draft window
     neighbours: int = 32  # geometry: nearest codes kept per code (lantern, gsd)
-    options: dict[str, float] = Field(default_factory=dict)  # verifier knobs: lantern k / delta, gsd ...
+
+    @field_validator("drafter")
+    @classmethod
+    def _release(cls, v: str) -> str:
+        if v != "release":
+            raise ValueError("the sample stage decodes with the release drafter (data/drafter/<world>) only")
+        return v
 
 
 @dataclass(config=STRICT)
@@ -221,16 +322,13 @@ class LIDParams:
 
 
 @dataclass(config=STRICT)
-class AblateLIDParams(SamplingParams):
+class AblateLIDParams(SamplingParams, DraftTree):
     """LID against the baseline loss: two drafters trained from the same logit cache, with train_drafter's
-    settings but `steps`, then their acceptance length under `exact` on sample.classes / sample.prompts."""
+    settings but `steps`, then their acceptance length under `exact` on sample.classes / sample.prompts (the
+    draft tree: DraftTree's keys, `spec_config("exact")`)."""
     steps: int = 300
     lid: LIDParams = Field(default_factory=LIDParams)
     per_class: int = 2  # seeds per class / prompt for the acceptance measurement
-    tree: str = "dynamic"
-    depth: int = 4
-    top_k_draft: int = 4
-    total_tokens: int = 16
 
 
 @dataclass(config=STRICT)
@@ -263,17 +361,13 @@ class BenchParams:
 
 
 @dataclass(config=STRICT)
-class BenchMethod:
-    """One column of the speculative benchmark: a decoding method and its tree / window / knobs."""
+class _Named:
     name: str  # the label in the report
-    method: str = "vanilla"  # vanilla, or a verifier (greedy, exact, lantern with the drafter; sjd, gsd without)
-    tree: str = "dynamic"  # dynamic | static | chain | auto (lisa.decoding.costmodel picks depth and total_tokens here)
-    depth: int = 4
-    top_k_draft: int = 4
-    total_tokens: int = 16
-    window: int = 16  # sjd / gsd
-    options: dict[str, float] = Field(default_factory=dict)  # verifier knobs (lantern k / delta, gsd, gasv ...)
-    drafter: Literal["release", "lid"] = "release"  # data/drafter/<world> (baseline loss) | the LID drafter of ablate-lid
+
+
+@dataclass(config=STRICT)
+class BenchMethod(DecodeMethod, _Named):
+    """One column of the speculative benchmark: a named decoding method (fields: name, then DecodeMethod's)."""
 
 
 @dataclass(config=STRICT)
@@ -312,21 +406,13 @@ class CalibrateParams:
 
 
 @dataclass(config=STRICT)
-class TableCell:
+class TableCell(DecodeMethod):
     """One quality cell of the results table (a method without its name: the key of `table.cells`)."""
-    method: str = "vanilla"
-    tree: str = "dynamic"
-    depth: int = 4
-    top_k_draft: int = 4
-    total_tokens: int = 16
-    window: int = 16
-    options: dict[str, float] = Field(default_factory=dict)
-    drafter: Literal["release", "lid"] = "release"
     bench: Optional[str] = None  # the bench_spec.methods entry this cell is timed as (default: the cell's key)
 
     def as_method(self, name: str) -> BenchMethod:
-        return BenchMethod(name, self.method, self.tree, self.depth, self.top_k_draft, self.total_tokens, self.window,
-                           dict(self.options), self.drafter)
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(DecodeMethod)}
+        return BenchMethod(name=name, **fields | {"options": dict(self.options)})
 
 
 @dataclass(config=STRICT)
@@ -343,6 +429,7 @@ class TableParams(SamplingParams):
 @dataclass(config=STRICT)
 class Params:
     worlds: dict[str, WorldParams]
+    sampling: Sampling = Field(default_factory=Sampling)  # what every sampling section inherits (inherit_sampling)
     build_dataset: BuildDatasetParams = Field(default_factory=BuildDatasetParams)
     train_tokenizer: TrainTokenizerParams = Field(default_factory=TrainTokenizerParams)
     encode: EncodeParams = Field(default_factory=EncodeParams)
@@ -380,11 +467,38 @@ def _describe(err: dict, source: str) -> str:
     return f"{source}: bad value for {key!r} in section {section!r}: {err['msg']} (got {err.get('input')!r})"
 
 
+def sampling_sections(cls: type = None, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """The key paths of the sections of `cls` (default Params) that sample (SamplingParams), nested ones included."""
+    cls = cls or Params
+    hints, out = typing.get_type_hints(cls), []
+    for f in dataclasses.fields(cls):
+        t = hints[f.name]
+        if isinstance(t, type) and dataclasses.is_dataclass(t):
+            out += [path + (f.name,)] if issubclass(t, SamplingParams) else sampling_sections(t, path + (f.name,))
+    return out
+
+
+def inherit_sampling(raw: dict) -> dict:
+    """A copy of raw params whose sampling sections (sampling_sections) hold every top-level `sampling` value they
+    do not set themselves (a section left out inherits them all)."""
+    top = raw.get("sampling") or {}
+    top = {k: v for k, v in top.items() if k in SAMPLING_KEYS} if isinstance(top, dict) else {}
+    out = copy.deepcopy(raw)
+    for path in sampling_sections():
+        node = out
+        for key in path:
+            node = node.setdefault(key, {}) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            for k, v in top.items():
+                node.setdefault(k, v)
+    return out
+
+
 def parse_params(raw: Any, source: str = "params.yaml") -> Params:
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a mapping of sections, got {type(raw).__name__}")
     try:
-        params = TypeAdapter(Params).validate_python(raw)
+        params = TypeAdapter(Params).validate_python(inherit_sampling(raw))
     except ValidationError as e:
         raise ConfigError("\n".join(_describe(err, source) for err in e.errors())) from None
     for name, world in params.worlds.items():

@@ -59,3 +59,89 @@ def test_missing_file_and_unknown_profile(tmp_path):
         load_params(tmp_path / "params.yaml")
     with pytest.raises(ConfigError, match="unknown profile"):
         profile_text("huge")
+
+
+@pytest.mark.parametrize("where", ["sample", "bench_spec", "table"])
+def test_verifier_option_typo_fails_at_load(where):
+    """A typo in a method's options (lantern's `k` spelled `kk`) is an error at load naming the key and the verifier."""
+    raw = micro()
+    bad = {"method": "lantern", "options": {"kk": 3}}
+    if where == "sample":
+        raw["sample"].update(bad)
+    elif where == "bench_spec":
+        raw["bench_spec"]["methods"].append({"name": "typo", **bad})
+    else:
+        raw["table"]["cells"]["typo"] = bad
+    with pytest.raises(ConfigError, match=rf"'options' in section '{where}.*lantern.*unknown options \['kk'\]"):
+        parse_params(raw)
+
+
+def test_method_typo_fails_at_load():
+    raw = micro()
+    raw["bench_spec"]["methods"].append({"name": "typo", "method": "lanterne"})
+    with pytest.raises(ConfigError, match=r"'method' in section 'bench_spec.methods.*'lanterne'.*not 'vanilla'"):
+        parse_params(raw)
+    raw = micro()
+    raw["sample"]["tree"] = "dinamic"
+    with pytest.raises(ConfigError, match="bad value for 'tree' in section 'sample'"):
+        parse_params(raw)
+
+
+def resolved(params) -> dict:
+    """(section path, world) -> the SamplingConfig that section samples with in that world."""
+    from lisa.config import sampling_sections
+
+    out = {}
+    for path in sampling_sections():
+        section = params
+        for key in path:
+            section = getattr(section, key)
+        for name, world in params.worlds.items():
+            out[".".join(path), name] = world.sampling_config(section)
+    return out
+
+
+@pytest.mark.parametrize("profile", ["params.yaml", "micro", "real"])
+def test_sampling_sections_resolve_as_before(profile):
+    """Every sampling section of params.yaml and the profiles samples exactly as it did before the top-level
+    `sampling` section existed, and still does when it leaves out the values that section gives it."""
+    from lisa.config import sampling_sections
+
+    raw = yaml.safe_load((ROOT / profile).read_text() if profile.endswith(".yaml") else profile_text(profile))
+    now = resolved(parse_params(raw))
+    before = dict(raw)
+    before.pop("sampling")
+    assert resolved(parse_params(before)) == now
+    inherited = yaml.safe_load(yaml.safe_dump(raw))
+    for path in sampling_sections():
+        section = inherited
+        for key in path:
+            section = section[key]
+        for key, value in raw["sampling"].items():
+            if section.get(key) == value:
+                del section[key]
+    assert resolved(parse_params(inherited)) == now
+
+
+def test_sampling_default_section_and_world_order():
+    """A section's own value wins over the top-level `sampling`, which fills what the section leaves out (a section
+    left out entirely inherits it all); a world's `sampling` is over both."""
+    raw = micro()
+    raw["sampling"] = {"temperature": 0.5, "top_k": 3, "top_p": 0.8, "cfg_scale": 5.0}
+    for key in ("temperature", "top_k", "top_p", "cfg_scale"):
+        del raw["sample"][key]
+    raw["evaluate"]["cfg_scale"] = 6.0
+    del raw["table"]
+    raw["worlds"]["fashion-c2i"]["sampling"] = {"top_k": 7}
+    p = parse_params(raw)
+    fashion, emoji = p.world("fashion-c2i"), p.world("emoji-t2i")
+    assert (p.sample.temperature, p.sample.top_k, p.sample.top_p, p.sample.cfg_scale) == (0.5, 3, 0.8, 5.0)
+    assert (p.evaluate.cfg_scale, p.evaluate.top_k, p.table.top_k) == (6.0, 16, 3)
+    assert fashion.sampling_config(p.evaluate).top_k == 7 and emoji.sampling_config(p.evaluate).top_k == 16
+    raw["worlds"]["fashion-c2i"]["sampling"] = {"cfg": 1.0}
+    with pytest.raises(ConfigError, match="unknown keys"):
+        parse_params(raw)
+    raw = micro()
+    raw["sampling"]["tmperature"] = 1.0
+    with pytest.raises(ConfigError, match="unknown key 'tmperature' in section 'sampling'"):
+        parse_params(raw)

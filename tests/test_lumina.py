@@ -94,10 +94,10 @@ def test_grammar_in_place_vanilla_and_speculative(lumina_dir, target, cfg_scale)
     # a relaxed verifier too: LANTERN moves mass between codebook neighbours, never onto a grammar id
     geometry = Geometry.from_codebook(geometry_codebook(chameleon_codebook(lumina_dir), target.config.vocab_size), 8)
     for tree, verifier in (("dynamic", "exact"), ("chain", "exact"), ("dynamic", "lantern")):
-        spec = SpecConfig(verifier=verifier, tree=tree, depth=3, top_k=3, total_tokens=6)
+        spec = SpecConfig(verifier=verifier, tree=tree, depth=3, top_k_draft=3, total_tokens=6)
         runs[tree + verifier], stats = speculative_generate(
             target, drafter, ids, sampling, spec, torch.Generator().manual_seed(1), cond_mask=mask, forced=forced,
-            geometry=geometry, options={"k": 8, "delta": 0.5})
+            geometry=geometry, options={"k": 8, "delta": 0.5} if verifier == "lantern" else {})
         assert sum(stats["accept_lengths"][0]) == len(forced) - 1
     for name, out in runs.items():
         assert out.shape == (3, GRAMMAR.sequence_length(GRID, GRID)), name
@@ -112,7 +112,7 @@ def test_greedy_speculative_equals_vanilla_and_batched_cfg_equals_sequential(lum
     greedy = SamplingConfig(temperature=0.0, cfg_scale=3.0)
     ref, _ = generate(target, ids, greedy, cond_mask=mask, forced=forced)
     out, _ = speculative_generate(target, new_drafter(target).eval(), ids, greedy,
-                                  SpecConfig(verifier="greedy", depth=3, top_k=3, total_tokens=6),
+                                  SpecConfig(verifier="greedy", depth=3, top_k_draft=3, total_tokens=6),
                                   cond_mask=mask, forced=forced)
     assert torch.equal(out, ref)
     # the cached, batched CFG decode picks the argmax of Lumina-mGPT's two separate, uncached passes

@@ -22,7 +22,7 @@ def test_greedy_speculative_equals_vanilla_c2i(tree, cfg_scale):
     cond = torch.tensor([0, 3, 7])
     greedy = SamplingConfig(temperature=0.0, cfg_scale=cfg_scale)
     ref, _ = generate(target, cond, greedy)
-    spec = SpecConfig(verifier="greedy", tree=tree, depth=4, top_k=3, total_tokens=10)
+    spec = SpecConfig(verifier="greedy", tree=tree, depth=4, top_k_draft=3, total_tokens=10)
     out, stats = speculative_generate(target, drafter, cond, greedy, spec)
     assert torch.equal(out, ref)
     # drafts were accepted (so the cache compaction ran) and rows advanced by different lengths
@@ -40,7 +40,7 @@ def test_greedy_speculative_equals_vanilla_t2i():
     greedy = SamplingConfig(temperature=0.0, cfg_scale=2.0)
     ref, _ = generate(target, cond, greedy)
     out, stats = speculative_generate(target, drafter, cond, greedy, SpecConfig(verifier="exact", depth=3,
-                                                                                top_k=2, total_tokens=6))
+                                                                                top_k_draft=2, total_tokens=6))
     assert torch.equal(out, ref) and stats["tau"] > 1.0
 
 
@@ -48,7 +48,7 @@ def test_sampling_runs_and_is_reproducible():
     target = micro_gpt(vocab_size=16)
     drafter = pair(target)
     s = SamplingConfig(temperature=1.0, top_k=8, cfg_scale=2.0)
-    spec = SpecConfig(verifier="exact", depth=3, top_k=2, total_tokens=5)
+    spec = SpecConfig(verifier="exact", depth=3, top_k_draft=2, total_tokens=5)
     a, _ = speculative_generate(target, drafter, torch.tensor([1, 2]), s, spec, torch.Generator().manual_seed(3))
     b, _ = speculative_generate(target, drafter, torch.tensor([1, 2]), s, spec, torch.Generator().manual_seed(3))
     assert torch.equal(a, b) and a.shape == (2, 16) and int(a.max()) < 16
@@ -115,7 +115,7 @@ def test_exact_speculative_sampling_matches_the_target_joint(tree):
     drafter = pair(target)
     s = SamplingConfig(temperature=1.0, top_k=3, cfg_scale=2.0)
     cond = torch.full((B,), 5)
-    spec = SpecConfig(verifier="exact", tree=tree, depth=2, top_k=2, total_tokens=4)
+    spec = SpecConfig(verifier="exact", tree=tree, depth=2, top_k_draft=2, total_tokens=4)
     out, stats = speculative_generate(target, drafter, cond, s, spec, torch.Generator().manual_seed(0), num_tokens=3)
     assert stats["tau"] > 1.0
     assert_follows(out, target_joint(target, s, V), V)
@@ -177,7 +177,7 @@ def test_forced_grammar_tokens_every_method():
             if spec.verifier == "greedy" and not sampling.greedy:
                 continue
             out, _ = speculative_generate(target, drafter, cond, sampling, spec, gen, forced=forced,
-                                          geometry=Geometry.from_codebook(torch.randn(8, 4), 4), options={"k": 3})
+                                          geometry=Geometry.from_codebook(torch.randn(8, 4), 4), options={"k": 3} if spec.verifier == "lantern" else {})
             outs.append(out)
         for v in ("sjd", "gsd"):
             out, _ = jacobi_generate(target, cond, sampling, v, 4, gen, forced=forced,

@@ -5,7 +5,8 @@ import torch
 from scipy.stats import chisquare
 
 from lisa.decoding.tree import Tree, chain
-from lisa.decoding.verify import VerifyContext, children_table, get_verifier
+from lisa.decoding.verify import (VERIFIERS, Geometry, GSDOptions, LanternOptions, VerifyContext, children_table,
+                                  get_verifier, option_keys, verifier_options)
 
 V = 6
 
@@ -123,3 +124,27 @@ def test_lantern_relaxes_towards_neighbours():
     assert relaxed.n_accepted.float().mean() > strict.n_accepted.float().mean() + 0.05
     with pytest.raises(ValueError, match="geometry"):
         get_verifier("lantern")(VerifyContext(p, tree), g())
+
+
+@pytest.mark.parametrize("name", sorted(VERIFIERS))
+def test_unknown_option_is_an_error_naming_it(name):
+    """Every verifier checks its options against its options type: a typo names the verifier, the key and the
+    keys it allows; the verifier itself refuses it too."""
+    allowed = sorted(option_keys(VERIFIERS[name].options))
+    with pytest.raises(ValueError, match=rf"verifier '{name}': unknown options \['kk'\]; allowed: .*{'.*'.join(allowed)}"):
+        verifier_options(name, {"kk": 1.0})
+    tree, p, _, _ = tree_batch(4, sampled=False)
+    with pytest.raises(ValueError, match="unknown options"):
+        get_verifier(name)(VerifyContext(p, tree, logits=p.log(), geometry=Geometry.from_codebook(torch.randn(V, 3), 4),
+                                         options={"kk": 1.0}), torch.Generator())
+
+
+def test_option_defaults_and_types():
+    """The defaults live in the options types (as they were in the verifiers); integer knobs refuse fractions."""
+    assert verifier_options("lantern") == LanternOptions(k=5, delta=0.1)
+    assert verifier_options("gsd", {"dist": 1}) == GSDOptions(rank_window=7, prob_gap=0.15, dist=1.0)
+    o = verifier_options("gasv", {"lambda": 2, "k": 4.0})
+    assert (o.kappa, o.lambda_, o.a_kappa, o.a_lambda, o.k, o.eps) == (1.0, 2.0, 1.0, 1.0, 4, 1e-6)
+    assert isinstance(o.k, int)
+    with pytest.raises(ValueError, match="'k' must be an integer"):
+        verifier_options("lantern", {"k": 2.5})

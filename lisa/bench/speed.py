@@ -14,9 +14,9 @@ from typing import Callable, Optional
 import torch
 from tqdm import tqdm
 
-from lisa.decoding import costmodel
+from lisa.decoding import costmodel, verify
 from lisa.decoding.costmodel import sync
-from lisa.decoding.generate import SpecConfig, decoder, generate, prefix_embeddings, speculative_generate
+from lisa.decoding.generate import generate, prefix_embeddings, speculative_generate
 from lisa.models.gpt import Transformer
 from lisa.decoding.sampling import SamplingConfig
 
@@ -122,12 +122,11 @@ class ForwardTimer:
 
 
 def forward_size(m) -> int:
-    """New tokens per row in one target forward of this method: 1 (vanilla), root + tree nodes, or last + window."""
+    """New tokens per row in one target forward of method m (a lisa.config.DecodeMethod): 1 (vanilla), root + tree
+    nodes, or last + window."""
     if m.method == "vanilla":
         return 1
-    if m.method in ("sjd", "gsd"):
-        return m.window + 1
-    return SpecConfig(m.method, m.tree, m.depth, m.top_k_draft, m.total_tokens).nodes + 1
+    return m.spec().nodes + 1 if m.drafts_tree else m.window + 1
 
 
 def bench_speculative(target: Transformer, drafter, conditions: list[dict], methods: list, sampling: SamplingConfig,
@@ -135,8 +134,8 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
                       vq_decode: Optional[Callable] = None, progress: bool = True) -> dict:
     """Time every method on every condition batch, interleaved (the method order rotates each pass), after
     `warmup` passes. drafter: one drafter, or {BenchMethod.drafter: drafter} when methods use different ones.
-    conditions: dicts {"label", "cond" (b, ...), "cond_mask" or None}; methods: BenchMethod-like
-    (name, method, tree, depth, top_k_draft, total_tokens, window, options). Each (condition, pass) has one seed
+    conditions: dicts {"label", "cond" (b, ...), "cond_mask" or None}; methods: lisa.config.BenchMethod (a named
+    DecodeMethod). Each (condition, pass) has one seed
     shared by all methods. A method with tree "auto" is first resolved by the cost model (lisa.decoding.costmodel) on the
     first `auto.calib_conditions` conditions. Returns the report dict (see `speculative_markdown`)."""
     device = next(target.parameters()).device
@@ -158,13 +157,7 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
             picked[m.name] = choices[key]
             methods[i] = replace(m, tree="dynamic", depth=choices[key].depth, total_tokens=choices[key].total_tokens)
 
-    def make(m):
-        spec = None
-        if m.method not in ("vanilla", "sjd", "gsd"):
-            spec = SpecConfig(m.method, m.tree, m.depth, m.top_k_draft, m.total_tokens)
-        return decoder(target, m.method, drafter_of(m), spec, m.window, geometry, dict(m.options))
-
-    decoders = {m.name: make(m) for m in methods}
+    decoders = {m.name: m.decoder(target, drafter_of(m), geometry) for m in methods}
     timers = {"target": ForwardTimer(target, device)}
     for i, d in enumerate({id(d): d for d in drafters.values() if d is not None}.values()):
         timers[f"drafter{i}"] = ForwardTimer(d, device)
@@ -223,7 +216,7 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
         target_per_forward = sum(x["target_s"] for x in rs) / forwards
         s = forward_size(m)
         report_methods.append({
-            "name": m.name, "method": m.method, "tree": m.tree if m.method not in ("vanilla", "sjd", "gsd") else None,
+            "name": m.name, "method": m.method, "tree": m.tree if m.drafts_tree else None,
             "depth": m.depth, "top_k_draft": m.top_k_draft, "total_tokens": m.total_tokens, "window": m.window,
             "options": dict(m.options), "auto": picked[m.name].as_dict() if m.name in picked else None,
             "ms_per_image": 1000 * wall / images,
@@ -274,7 +267,8 @@ def auto_tree(target: Transformer, drafter, conditions: list[dict], m, sampling:
     k, D = m.top_k_draft, auto.max_depth
     full = k + (D - 1) * k * k  # every node a depth-D dynamic tree drafts
     small = min(s for s in auto.sizes if s >= 2)
-    specs = [(SpecConfig(m.method, "dynamic", D, k, full), True), (SpecConfig(m.method, "dynamic", 2, k, small), False)]
+    specs = [(replace(m, tree="dynamic", depth=D, total_tokens=full).spec(), True),
+             (replace(m, tree="dynamic", depth=2, total_tokens=small).spec(), False)]
     trace, timed, vanilla_steps = [], [], []
     runs = [(r, ci, c) for r in range(2) for ci, c in enumerate(conditions)]  # pass 0 warms up
     for r, ci, c in tqdm(runs, desc=f"auto tree ({m.method})", unit="run", disable=not progress):
@@ -292,7 +286,7 @@ def auto_tree(target: Transformer, drafter, conditions: list[dict], m, sampling:
             t0 = time.perf_counter()
             _, stats = speculative_generate(target, drafter, c["cond"], sampling, spec, gen,
                                             cond_mask=c.get("cond_mask"), geometry=geometry,
-                                            options=dict(m.options), trace=rounds if traced and r else None)
+                                            options=m.verifier_options(), trace=rounds if traced and r else None)
             sync(device)
             if r:
                 timed.append((spec, (time.perf_counter() - t0) / stats["rounds"], stats["tau"]))
@@ -324,7 +318,7 @@ def speculative_markdown(report: dict, title: str) -> str:
              "| bare forward ms (tokens) | loop overhead | in target | in drafter |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in ms:
-        if m["method"] in ("sjd", "gsd"):
+        if m["method"] != "vanilla" and verify.is_jacobi(m["method"]):
             tree = f"window {m['window']}"
         elif m["tree"] == "chain":
             tree = f"chain, depth {m['depth']}"

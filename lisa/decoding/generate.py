@@ -1,19 +1,24 @@
-"""Vanilla autoregressive decoding of a LlamaGen-style target, in gpt-fast's shape: prefill, then one-token steps.
+"""Decoding of a LlamaGen-style target, in gpt-fast's shape: vanilla (prefill, then one-token steps), speculative
+with an EAGLE-3 drafter (draft a tree, verify it in one target forward, keep what passes) and drafter-free Jacobi
+(SJD / GSD).
 
 CFG runs the conditional and unconditional rows in one batch (conditional first) sharing one KV cache; guidance is
 applied to the logits before temperature / top-k / top-p (lisa.decoding.sampling). Reproducible through an explicit
-torch.Generator. The speculative loop (drafting, verification) builds on the same `prefill` / `decode_one_token`.
+torch.Generator. Every loop starts with the same preamble (`start`: caches, key mask, grammar) and `prefill`; the
+speculative loops commit through `Emitted` and return `DecodeStats`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable, Optional, TypedDict
 
 import torch
 from torch import Tensor
 
-from lisa.models.gpt import Transformer
+from lisa.models.gpt import GPTOutput, Transformer
 from lisa.decoding import verify
+from lisa.decoding.grammar import Grammar
 from lisa.decoding.sampling import SamplingConfig, cfg_logits, logits_to_probs, sample, sample_from
 from lisa.decoding.tree import chain, dynamic_tree, static_choices, static_tree
 
@@ -56,35 +61,77 @@ def guided(logits: Tensor, sampling: SamplingConfig) -> Tensor:
     return cfg_logits(logits, sampling.cfg_scale) if sampling.use_cfg else logits
 
 
-def force_tokens(dist: Tensor, pos: Tensor, forced: Optional[Tensor], log: bool = False, free_vocab: int = 0) -> Tensor:
-    """The grammar hook: `forced` (T,) holds a token id at each image position that must be emitted as is (e.g.
-    Lumina-mGPT's end-of-line after every row), -1 elsewhere. At sequence positions `pos` (B, S) that are forced,
-    the distribution dist (B, S, V) becomes that token: one-hot probabilities, or (log=True) log-probabilities 0
-    there and -1e4 elsewhere (finite, so draft-tree ranking stays strict). Forced tokens are thus never sampled:
-    drafters draft them with certainty and every verifier accepts them, or emits them as the correction.
-    free_vocab > 0 (lm targets): at the free positions ids >= free_vocab (the grammar tokens) get probability 0
-    (log: -1e4), so a drafter never proposes one where a code belongs (a relaxed verifier could accept it)."""
-    if forced is None:
-        return dist
-    T = forced.shape[0]
-    f = torch.where(pos < T, forced[pos.clamp(0, T - 1)], -1)  # (B, S)
-    on = f >= 0
-    if free_vocab:
-        grammar_id = torch.arange(dist.shape[-1], device=dist.device) >= free_vocab
-        dist = dist.masked_fill(~on[..., None] & grammar_id, -1e4 if log else 0.0)
-    if not bool(on.any()):
-        return dist
-    hot = torch.nn.functional.one_hot(f.clamp(min=0), dist.shape[-1]).bool()
-    value = torch.where(hot, 0.0, -1e4).to(dist.dtype) if log else hot.to(dist.dtype)
-    return torch.where(on[..., None], value, dist)
+def target_probs(logits: Tensor, sampling: SamplingConfig) -> tuple[Tensor, Tensor]:
+    """Target logits (B', ..., V) -> (guided logits, the distribution p vanilla sampling draws from), (B, ..., V)."""
+    g = guided(logits, sampling)
+    return g, logits_to_probs(g, sampling.temperature, sampling.top_k, sampling.top_p)
 
 
-def prefill(model: Transformer, prefix: Tensor, sampling: SamplingConfig, generator: Optional[torch.Generator],
-            key_mask: Optional[Tensor] = None) -> Tensor:
-    """Run the condition prefix (B', C, D) through the model and sample the first image token (B,)."""
-    input_pos = torch.arange(prefix.shape[1], device=prefix.device)  # (C,)
-    logits = model(prefix, input_pos, mask=step_mask(model, input_pos, key_mask)).logits[:, -1]  # (B', V)
-    return sample(guided(logits, sampling), sampling, generator)[0]
+def draw(p: Tensor, sampling: SamplingConfig, generator: Optional[torch.Generator]) -> Tensor:
+    """One token per row of p (..., V): the argmax when sampling is greedy, else a draw (no host sync)."""
+    return p.argmax(-1) if sampling.greedy else sample_from(p, generator)
+
+
+class DecodeStats(TypedDict, total=False):
+    """What every decode loop returns beside the tokens."""
+    forwards: int  # target forward passes, the prefill included
+    rounds: int  # draft-verify rounds (speculative loops)
+    tau: float  # tokens emitted per target forward after the prefill, bonus token included
+    accept_lengths: list[list[int]]  # (B, rounds): tokens each row kept per round, 0 once it was finished
+    tv: Tensor  # (B, T) TV between each token's law and the target's p there (measure=True; 0 at the prefill token)
+
+
+@dataclass
+class Batch:
+    """What a decode call resolves once, before its loop: the condition (B, ...), the key mask over cache slots
+    (GB, L) (None: all visible), CFG (GB = 2B rows per forward: conditional rows first), the grammar, and the sizes:
+    T image tokens after a prefix of C slots; max_pos, the target's last RoPE position."""
+    cond: Tensor
+    key_mask: Optional[Tensor]
+    grammar: Grammar
+    use_cfg: bool
+    T: int
+    C: int
+    max_pos: int
+
+    @property
+    def B(self) -> int:
+        return self.cond.shape[0]
+
+    @property
+    def GB(self) -> int:
+        return (2 if self.use_cfg else 1) * self.B
+
+    def dup(self, x: Tensor) -> Tensor:
+        """(B, ...) -> (GB, ...): the unconditional rows repeat the conditional ones."""
+        return _dup(x, self.use_cfg)
+
+
+def start(model: Transformer, cond: Tensor, sampling: SamplingConfig, num_tokens: Optional[int],
+          cond_mask: Optional[Tensor], forced: Optional[Tensor], extra_slots: int = 0) -> Batch:
+    """The preamble every loop shares: unpack a packed condition (it carries its mask), check CFG, resolve the
+    grammar, size the KV cache (GB rows, C + T + extra_slots slots) and mask the padded prefix."""
+    cond, cond_mask = model.split_cond(cond, cond_mask)
+    cfg = model.config
+    if sampling.use_cfg and not cfg.has_null_cond:
+        raise ValueError("cfg_scale != 1 needs a null class: this c2i model was built with class_dropout_prob=0")
+    b = Batch(cond, None, Grammar.of(model, forced), sampling.use_cfg, num_tokens or cfg.block_size,
+              cfg.cls_token_num, model.rope.shape[0] - 1)
+    model.setup_caches(b.GB, b.C + b.T + extra_slots)
+    b.key_mask = prefix_key_mask(model, cond_mask, b.use_cfg, cond)
+    return b
+
+
+def prefill(model: Transformer, b: Batch, sampling: SamplingConfig, generator: Optional[torch.Generator],
+            taps=()) -> tuple[Tensor, GPTOutput]:
+    """Run the condition prefix through the model: the first image token (B,) (the grammar's where forced) and
+    the forward's output (its hidden taps feed a drafter)."""
+    prefix = prefix_embeddings(model, b.cond, b.use_cfg)  # (GB, C, D)
+    pos = torch.arange(b.C, device=prefix.device)  # (C,)
+    out = model(prefix, pos, mask=step_mask(model, pos, b.key_mask), taps=taps)
+    _, p0 = target_probs(out.logits[:, -1], sampling)  # (B, V)
+    p0 = b.grammar.probs(p0[:, None], torch.zeros(b.B, 1, dtype=torch.long, device=p0.device))[:, 0]
+    return draw(p0, sampling, generator), out
 
 
 def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, sampling: SamplingConfig,
@@ -98,35 +145,24 @@ def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, sampl
 @torch.no_grad()
 def generate(model: Transformer, cond: Tensor, sampling: SamplingConfig, generator: Optional[torch.Generator] = None,
              num_tokens: Optional[int] = None, cond_mask: Optional[Tensor] = None,
-             step_fn: Optional[Callable] = None, forced: Optional[Tensor] = None) -> tuple[Tensor, dict]:
+             step_fn: Optional[Callable] = None, forced: Optional[Tensor] = None) -> tuple[Tensor, DecodeStats]:
     """Sample image tokens (B, T) for `cond` (class ids (B,) or caption features (B, C, Dc)).
 
     cond_mask: (B, C) bool for t2i caption padding (True = real token). step_fn: a compiled
-    decode_one_token, if wanted. forced: (T,) grammar tokens (see force_tokens), -1 = sampled.
-    Returns (tokens, {"forwards": target forward passes}).
+    decode_one_token, if wanted. forced: (T,) grammar tokens (lisa.decoding.grammar), -1 = sampled; default: the
+    model's own grammar. Returns (tokens, {"forwards": target forward passes}).
     """
-    cond, cond_mask = model.split_cond(cond, cond_mask)  # a packed condition carries its mask
-    forced = forced if forced is not None else getattr(model, "grammar", None)  # lm: the image grammar
-    cfg = model.config
-    T = num_tokens or cfg.block_size
-    if sampling.use_cfg and not cfg.has_null_cond:
-        raise ValueError("cfg_scale != 1 needs a null class: this c2i model was built with class_dropout_prob=0")
-    B, C = cond.shape[0], cfg.cls_token_num
-    model.setup_caches((2 if sampling.use_cfg else 1) * B, C + T)
-    key_mask = prefix_key_mask(model, cond_mask, sampling.use_cfg, cond)
+    b = start(model, cond, sampling, num_tokens, cond_mask, forced)
     step = step_fn or decode_one_token
-
-    tokens = torch.empty(B, T, dtype=torch.long, device=cond.device)
-    tokens[:, 0] = prefill(model, prefix_embeddings(model, cond, sampling.use_cfg), sampling, generator, key_mask)
-    fixed = forced.tolist() if forced is not None else [-1] * T
-    if fixed[0] >= 0:
-        tokens[:, 0] = fixed[0]
-    for t in range(1, T):
-        input_pos = torch.tensor([C + t - 1], device=cond.device)  # slot of the token being fed
-        tokens[:, t] = step(model, tokens[:, t - 1], input_pos, sampling, generator, key_mask)
+    fixed = b.grammar.host(b.T)  # host sync, once per call: the loop then overrides forced tokens without one
+    tokens = torch.empty(b.B, b.T, dtype=torch.long, device=b.cond.device)
+    tokens[:, 0] = prefill(model, b, sampling, generator)[0]
+    for t in range(1, b.T):
+        input_pos = torch.tensor([b.C + t - 1], device=b.cond.device)  # slot of the token being fed
+        tokens[:, t] = step(model, tokens[:, t - 1], input_pos, sampling, generator, b.key_mask)
         if fixed[t] >= 0:
             tokens[:, t] = fixed[t]
-    return tokens, {"forwards": T}
+    return tokens, DecodeStats(forwards=b.T)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -138,32 +174,103 @@ class SpecConfig:
     verifier: str = "exact"  # a name in lisa.decoding.verify.VERIFIERS
     tree: str = "dynamic"  # "dynamic" (EAGLE-2/3) | "static" (fixed shape: lisa.decoding.tree.static_choices) | "chain"
     depth: int = 4  # draft levels
-    top_k: int = 4  # children per expanded node, nodes expanded per level (dynamic)
+    top_k_draft: int = 4  # children per expanded node, nodes expanded per level (dynamic)
     total_tokens: int = 16  # draft nodes kept after reranking (dynamic)
 
     def __post_init__(self):
         if self.tree not in ("dynamic", "static", "chain"):
             raise ValueError(f"SpecConfig.tree must be 'dynamic', 'static' or 'chain', got {self.tree!r}")
-        if min(self.depth, self.top_k, self.total_tokens) < 1:
-            raise ValueError(f"SpecConfig: depth, top_k and total_tokens must be >= 1, got {self}")
+        if min(self.depth, self.top_k_draft, self.total_tokens) < 1:
+            raise ValueError(f"SpecConfig: depth, top_k_draft and total_tokens must be >= 1, got {self}")
 
     @property
     def nodes(self) -> int:
+        """Draft nodes verified per round."""
         if self.tree == "static":
-            return len(static_choices(self.depth, self.top_k, self.total_tokens))
+            return len(static_choices(self.depth, self.top_k_draft, self.total_tokens))
         return self.depth if self.tree == "chain" else self.total_tokens
+
+    @property
+    def drafted_pairs(self) -> int:
+        """Drafter pairs one round writes after the committed ones."""
+        return {"dynamic": self.depth * self.top_k_draft, "static": self.nodes, "chain": self.depth}[self.tree]
 
 
 def _dup(x: Tensor, use_cfg: bool) -> Tensor:
     return torch.cat([x, x]) if use_cfg else x
 
 
+@dataclass
+class Emitted:
+    """The image tokens of a batch as a speculative loop's rounds commit them (each row accepts its own length),
+    and the statistics of those rounds."""
+    tokens: Tensor  # (B, T + 1) long; column T is a junk slot that takes the writes past a row's end
+    n: Tensor  # (B,) tokens emitted per row
+    tv: Optional[Tensor]  # (B, T + 1) measured TV of each emitted token (measure=True), 0 at the prefill token
+    accepted: list = field(default_factory=list)  # per round: (B,) tokens each row kept, 0 once finished
+    forwards: int = 1  # target forwards: the prefill
+
+    @classmethod
+    def first(cls, token: Tensor, T: int, measure: bool) -> "Emitted":
+        """Start from the prefill's token (B,)."""
+        B, dev = token.shape[0], token.device
+        tokens = torch.zeros(B, T + 1, dtype=torch.long, device=dev)
+        tokens[:, 0] = token
+        tv = torch.zeros(B, T + 1, device=dev) if measure else None
+        return cls(tokens, torch.ones(B, dtype=torch.long, device=dev), tv)
+
+    @property
+    def T(self) -> int:
+        return self.tokens.shape[1] - 1
+
+    def live(self) -> Tensor:
+        return self.n < self.T  # (B,)
+
+    def unfinished(self) -> bool:
+        return bool(self.live().any())  # host sync, once per round: the loop's exit test
+
+    def last(self) -> Tensor:
+        """(B,) each row's last emitted token (the next round's root)."""
+        return self.tokens.gather(1, (self.n - 1)[:, None]).squeeze(1)
+
+    def commit(self, new: Tensor, m: Tensor, live: Tensor, tv: Optional[Tensor] = None) -> None:
+        """Emit new[:, :m + 1] (new: (B, K)) at positions n .. n + m of the live rows, as far as T, with the TV
+        measured at them (tv: (B, >= m + 1)); record what each row kept and advance n."""
+        self.tokens.scatter_(1, self._slots(m, live, new.shape[1]), new)
+        if self.tv is not None:
+            self.tv.scatter_(1, self._slots(m, live, tv.shape[1]), tv)
+        self.accepted.append(torch.where(live, torch.minimum(m + 1, self.T - self.n), torch.zeros_like(m)))
+        self.n = torch.where(live, (self.n + m + 1).clamp(max=self.T), self.n)
+
+    def _slots(self, m: Tensor, live: Tensor, K: int) -> Tensor:
+        """(B, K) the position of each row's i-th new token, or the junk column T where it is not written."""
+        i = torch.arange(K, device=m.device)[None]  # (1, K)
+        pos = self.n[:, None] + i  # (B, K)
+        return torch.where(live[:, None] & (i <= m[:, None]) & (pos < self.T), pos, self.T)
+
+    def result(self) -> tuple[Tensor, DecodeStats]:
+        """(tokens (B, T), stats); the host syncs here happen once per call."""
+        acc = torch.stack(self.accepted) if self.accepted else torch.zeros(0, self.n.shape[0], dtype=torch.long)
+        kept = acc[acc > 0]  # (rounds, B) -> the lengths of the rounds rows were live in
+        stats = DecodeStats(forwards=self.forwards, rounds=len(self.accepted),
+                            tau=float(kept.float().mean()) if kept.numel() else 0.0, accept_lengths=acc.T.tolist())
+        if self.tv is not None:
+            stats["tv"] = self.tv[:, : self.T].contiguous()
+        return self.tokens[:, : self.T].contiguous(), stats
+
+
+def emitted_tokens(drafted: Tensor, m: Tensor, next_token: Tensor) -> Tensor:
+    """(B, K + 1): the drafted tokens (B, K) of a round, the first m (B,) of them accepted, then the correction /
+    bonus token next_token (B,) at column m (columns past m are never emitted)."""
+    return torch.cat([drafted, next_token[:, None]], 1).scatter(1, m[:, None], next_token[:, None])
+
+
 @torch.no_grad()
 def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: SamplingConfig, spec: SpecConfig,
                          generator: Optional[torch.Generator] = None, num_tokens: Optional[int] = None,
-                         cond_mask: Optional[Tensor] = None, geometry=None, options: Optional[dict] = None,
+                         cond_mask: Optional[Tensor] = None, geometry=None, options=None,
                          trace: Optional[list] = None, forced: Optional[Tensor] = None,
-                         measure: bool = False) -> tuple[Tensor, dict]:
+                         measure: bool = False) -> tuple[Tensor, DecodeStats]:
     """Speculative sampling of image tokens (B, T) with an EAGLE-3 drafter; each row accepts its own length.
 
     Layout. Target cache: condition prefix at slots 0..C-1, image token j at slot C + j once accepted; a round
@@ -171,133 +278,73 @@ def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: S
     then moves the accepted nodes down to their sequence slots (the rest is overwritten later). Drafter cache:
     pair j = (target hidden that predicted token j, token j) at slot j; tree pairs go after the committed ones.
     RoPE positions are sequence positions (a node at depth d sits d after the root). CFG: cond rows then uncond
-    rows in both models, guidance on both models' logits. Returns (tokens, {"forwards", "rounds", "tau",
-    "accept_lengths"}): tau = tokens emitted per target forward after the prefill, bonus token included.
-    trace: a list that receives, per round, the draft tree's node scores and depths, the accepted path and its
-    length, and which rows were live (what lisa.decoding.costmodel learns acceptance from). forced: (T,) grammar tokens,
-    -1 = free (force_tokens): both models' distributions are one-hot there, so they are never drafted freely
-    nor sampled, and the emitted sequence has them exactly in place. measure: stats["tv"] (B, T) gets the total
-    variation between the law each token was emitted from and the target's distribution there (lisa.decoding.verify.walk;
-    0 at the prefill token).
+    rows in both models, guidance on both models' logits. options: the verifier's (a dict or its typed options,
+    lisa.decoding.verify.verifier_options). Returns (tokens, DecodeStats). trace: a list that receives, per round,
+    the draft tree's node scores and depths, the accepted path and its length, and which rows were live (what
+    lisa.decoding.costmodel learns acceptance from). forced: (T,) grammar tokens, -1 = free (lisa.decoding.grammar;
+    default: the target's own). measure: stats["tv"] (lisa.decoding.verify.walk).
     """
-    cond, cond_mask = target.split_cond(cond, cond_mask)  # a packed condition carries its mask
-    forced = forced if forced is not None else getattr(target, "grammar", None)  # lm: the image grammar
-    cfg = target.config
-    T = num_tokens or cfg.block_size
-    if sampling.use_cfg and not cfg.has_null_cond:
-        raise ValueError("cfg_scale != 1 needs a null class: this c2i model was built with class_dropout_prob=0")
-    verifier = verify.get_verifier(spec.verifier)
-    fv = target.config.free_vocab  # lm targets: grammar ids are never drafted at code positions
-    use_cfg, dev = sampling.use_cfg, cond.device
-    B, C, N = cond.shape[0], cfg.cls_token_num, spec.nodes
-    GB = (2 if use_cfg else 1) * B
+    b = start(target, cond, sampling, num_tokens, cond_mask, forced, extra_slots=spec.nodes + 2)
+    verifier, options = verify.get_verifier(spec.verifier), verify.verifier_options(spec.verifier, options)
     taps = tuple(drafter.config.taps)
-    max_pos = target.rope.shape[0] - 1
-    target.setup_caches(GB, C + T + N + 2)
-    t_junk = target.cache_length - 1  # padding writes land here
-    scratch = {"dynamic": spec.depth * spec.top_k, "static": N, "chain": spec.depth}[spec.tree]  # drafted pairs
-    drafter.setup_caches(GB, T + scratch + spec.top_k + 2)
-    d_junk = drafter.cache_length - 1
-    key_mask = prefix_key_mask(target, cond_mask, use_cfg, cond)
-    ar = torch.arange(B, device=dev)
-    Lt, Ld = target.cache_length, drafter.cache_length
-
-    def probs_of(logits):  # (GB, ..., V) -> guided logits and the sampling distribution (B, ..., V)
-        g = guided(logits, sampling)
-        return g, logits_to_probs(g, sampling.temperature, sampling.top_k, sampling.top_p)
-
-    def draw(p):
-        return p.argmax(-1) if sampling.greedy else sample_from(p, generator)
-
-    # prefill: the target reads the prefix and gives token 0; the drafter commits pair 0
-    prefix = prefix_embeddings(target, cond, use_cfg)
-    pos = torch.arange(C, device=dev)
-    out = target(prefix, pos, mask=step_mask(target, pos, key_mask), taps=taps)
-    _, p0 = probs_of(out.logits[:, -1])
-    p0 = force_tokens(p0[:, None], torch.zeros(B, 1, dtype=torch.long, device=dev), forced)[:, 0]
-    tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
-    tokens[:, 0] = draw(p0)
-    n = torch.ones(B, dtype=torch.long, device=dev)  # tokens emitted per row
-    fused = drafter.fuse([h[:, -1:] for h in out.hidden])  # (GB, 1, H)
-    d = drafter(_dup(tokens[:, :1], use_cfg), fused, input_pos=torch.zeros(GB, 1, dtype=torch.long, device=dev),
-                mask=(torch.arange(Ld, device=dev) == 0).expand(GB, 1, Ld),
-                rope_pos=torch.full((GB, 1), C, device=dev))
-    root_logits, root_hidden = d.logits[:, 0], d.hidden[:, :1]  # (GB, V), (GB, 1, H)
-
-    forwards, accepted, rounds = 1, [], 0
-    tv = torch.zeros(B, T, device=dev) if measure else None
-    while bool((n < T).any()):
-        rounds += 1
-        live = n < T
-        base = (C + n - 1).clamp(max=Lt - N - 2)  # the root's slot (finished rows idle at the end)
-        # ---- draft
-        root_logp = guided(root_logits, sampling).log_softmax(-1)  # (B, V): scores use the raw guided drafter
-        root_logp = force_tokens(root_logp[:, None], n[:, None], forced, log=True, free_vocab=fv)[:, 0]
-        if spec.tree == "chain":
-            tree = _draft_chain(drafter, root_logp, root_hidden, n, spec.depth, C, use_cfg, sampling, max_pos,
-                                forced, fv)
-        else:
-            tree = _draft_tree(drafter, root_logp, root_hidden, n, spec, C, use_cfg, sampling, max_pos, forced, fv)
-        # ---- verify: one target forward over root + tree, per-row slots and tree mask
-        out = tree_forward(target, tokens[ar, n - 1], tree, base, key_mask, use_cfg, taps)
-        forwards += 1
-        g_logits, p = probs_of(out.logits)  # (B, S, V)
-        p = force_tokens(p, n[:, None] + torch.cat([torch.zeros_like(tree.depth[:, :1]), tree.depth], 1), forced)
+    drafter.setup_caches(b.GB, b.T + spec.drafted_pairs + spec.top_k_draft + 2)
+    first, out = prefill(target, b, sampling, generator, taps)
+    em = Emitted.first(first, b.T, measure)
+    zero = torch.zeros(b.B, dtype=torch.long, device=first.device)
+    root = commit_pairs(drafter, b, drafter.fuse([h[:, -1:] for h in out.hidden]), first[:, None], zero, zero)
+    while em.unfinished():
+        live, n = em.live(), em.n
+        base = (b.C + n - 1).clamp(max=target.cache_length - spec.nodes - 2)  # root slot; finished rows idle at the end
+        tree = draft(drafter, b, root, n, spec, sampling)
+        out = tree_forward(target, em.last(), tree, base, b.key_mask, b.use_cfg, taps)  # root + tree, tree mask
+        em.forwards += 1
+        g_logits, p = target_probs(out.logits, sampling)  # (B, N + 1, V)
+        p = b.grammar.probs(p, n[:, None] + torch.cat([torch.zeros_like(tree.depth[:, :1]), tree.depth], 1))
         verdict = verifier(verify.VerifyContext(p, tree, logits=g_logits, geometry=geometry, options=options,
                                                 measure=measure), generator)
         m = verdict.n_accepted  # (B,)
-        if tv is not None:
-            _record_tv(tv, verdict.tv, n, m, live)
-        M = int(m.max())
+        M = int(m.max())  # host sync, once per round: the longest acceptance sizes the moves and the drafter commit
         if trace is not None:
             trace.append({"scores": tree.scores, "depth": tree.depth, "path": verdict.path, "m": m, "live": live})
-        # ---- commit: move accepted nodes to their sequence slots in the target cache
-        path = verdict.path[:, :M] if M else verdict.path[:, :0]
-        valid = torch.arange(M, device=dev)[None] < m[:, None]  # (B, M)
-        src = torch.where(valid, base[:, None] + 1 + path.clamp(min=0), torch.full_like(path, t_junk))
-        dst = torch.where(valid, base[:, None] + 1 + torch.arange(M, device=dev), torch.full_like(path, t_junk))
-        if M:
-            for layer in target.layers:
-                layer.attention.kv_cache.move(_dup(src, use_cfg), _dup(dst, use_cfg))
-        new = torch.cat([tree.tokens.gather(1, path.clamp(min=0)), verdict.next_token[:, None]], 1)  # (B, M+1)
-        new = torch.where(torch.cat([valid, torch.ones(B, 1, dtype=torch.bool, device=dev)], 1), new,
-                          torch.zeros_like(new))
-        # the (M+1)-th new token of a row with m < M sits at column m: shift next_token there
-        new.scatter_(1, m[:, None], verdict.next_token[:, None])
-        for i in range(M + 1):
-            write = live & (i <= m) & (n + i < T)
-            tokens[ar[write], (n + i)[write]] = new[write, i]
-        accepted.append(torch.where(live, torch.minimum(m + 1, T - n), torch.zeros_like(m)))  # what was kept
-        # ---- drafter: commit pairs n .. n + m (target hidden of root / accepted node, the token after it)
-        rows_h = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), 1 + path.clamp(min=0)], 1)  # (B, M+1)
-        feats = drafter.fuse([h.gather(1, _dup(rows_h, use_cfg)[..., None].expand(-1, -1, h.shape[-1]))
-                              for h in out.hidden])  # (GB, M+1, H)
-        ok = torch.arange(M + 1, device=dev)[None] <= m[:, None]  # (B, M+1)
-        dslots = torch.where(ok, (n[:, None] + torch.arange(M + 1, device=dev)).clamp(max=d_junk - 1),
-                             torch.full_like(rows_h, d_junk))
-        dmask = torch.arange(Ld, device=dev)[None, None, :] <= dslots[:, :, None]  # causal over own slots
-        dmask &= ok[:, :, None] | (torch.arange(Ld, device=dev)[None, None, :] == d_junk)  # padding: junk only
-        drope = (C + n[:, None] + torch.arange(M + 1, device=dev)).clamp(max=max_pos)
-        d = drafter(_dup(new, use_cfg), feats, input_pos=_dup(dslots, use_cfg), mask=_dup(dmask, use_cfg),
-                    rope_pos=_dup(drope, use_cfg))
-        last = _dup(m, use_cfg)
-        root_logits = d.logits[torch.arange(GB, device=dev), last]
-        root_hidden = d.hidden[torch.arange(GB, device=dev), last][:, None]
-        n = torch.where(live, (n + m + 1).clamp(max=T), n)
-    acc = torch.stack(accepted) if accepted else torch.zeros(0, B, dtype=torch.long)
-    live_rounds = acc > 0
-    return tokens, {"forwards": forwards, "rounds": rounds,
-                    "tau": float(acc[live_rounds].float().mean()) if live_rounds.any() else 0.0,
-                    "accept_lengths": acc.T.tolist(), **({"tv": tv} if tv is not None else {})}
+        path = verdict.path[:, :M]  # (B, M) accepted node indices, -1 past m
+        move_accepted(target, path, m, base, b.use_cfg)
+        new = emitted_tokens(tree.tokens.gather(1, path.clamp(min=0)), m, verdict.next_token)  # (B, M + 1)
+        rows = b.dup(torch.cat([torch.zeros_like(m)[:, None], 1 + path.clamp(min=0)], 1))  # (GB, M + 1) of `out`
+        feats = drafter.fuse([h.gather(1, rows[..., None].expand(-1, -1, h.shape[-1])) for h in out.hidden])
+        root = commit_pairs(drafter, b, feats, new, m, n)
+        em.commit(new, m, live, verdict.tv)
+    return em.result()
 
 
-def _record_tv(tv: Tensor, round_tv: Tensor, n: Tensor, m: Tensor, live: Tensor) -> None:
-    """tv (B, T): the round's per-visited-node TV (B, D + 1) at the positions n .. n + m it emitted."""
-    B, T = tv.shape
-    for level in range(round_tv.shape[1]):
-        write = live & (level <= m) & (n + level < T)
-        if write.any():
-            tv[write, (n + level)[write]] = round_tv[write, level]
+def move_accepted(target: Transformer, path: Tensor, m: Tensor, base: Tensor, use_cfg: bool) -> None:
+    """Move the target's cache entries of the accepted nodes (path (B, M), the first m (B,) valid) from their tree
+    slots to their sequence slots right after the root at base (B,); padding moves the junk slot onto itself."""
+    M = path.shape[1]
+    if not M:
+        return
+    junk = target.cache_length - 1
+    valid = torch.arange(M, device=path.device)[None] < m[:, None]  # (B, M)
+    src = torch.where(valid, base[:, None] + 1 + path.clamp(min=0), junk)  # (B, M)
+    dst = torch.where(valid, base[:, None] + 1 + torch.arange(M, device=path.device), junk)  # (B, M)
+    for layer in target.layers:
+        layer.attention.kv_cache.move(_dup(src, use_cfg), _dup(dst, use_cfg))
+
+
+def commit_pairs(drafter, b: Batch, feats: Tensor, new: Tensor, m: Tensor, n: Tensor) -> tuple[Tensor, Tensor]:
+    """Write drafter pairs n .. n + m (n, m: (B,)) of each row: feats (GB, K, H) the target hidden that predicted
+    each token of new (B, K); columns past m are padding that lands in the junk slot. Returns the next round's
+    drafter root: logits (GB, V) and hidden (GB, 1, H) after each row's last pair."""
+    K, Ld = new.shape[1], drafter.cache_length
+    junk = Ld - 1
+    i = torch.arange(K, device=new.device)[None]  # (1, K)
+    ok = i <= m[:, None]  # (B, K)
+    slots = torch.where(ok, (n[:, None] + i).clamp(max=junk - 1), junk)  # (B, K)
+    cols = torch.arange(Ld, device=new.device)[None, None, :]  # (1, 1, Ld)
+    mask = (cols <= slots[:, :, None]) & (ok[:, :, None] | (cols == junk))  # (B, K, Ld) causal; padding: junk only
+    rope = (b.C + n[:, None] + i).clamp(max=b.max_pos)  # (B, K)
+    d = drafter(b.dup(new), feats, input_pos=b.dup(slots), mask=b.dup(mask), rope_pos=b.dup(rope))
+    rows, last = torch.arange(b.GB, device=new.device), b.dup(m)
+    return d.logits[rows, last], d.hidden[rows, last][:, None]
 
 
 def tree_forward(target: Transformer, root: Tensor, tree, base: Tensor, key_mask: Optional[Tensor], use_cfg: bool,
@@ -322,8 +369,18 @@ def tree_forward(target: Transformer, root: Tensor, tree, base: Tensor, key_mask
     return target(x, _dup(slots, use_cfg), mask=mask, rope_pos=_dup(rope, use_cfg), taps=taps)
 
 
-def _draft_tree(drafter, root_logp, root_hidden, n, spec: SpecConfig, C, use_cfg, sampling, max_pos, forced=None,
-                free_vocab=0):
+def draft(drafter, b: Batch, root: tuple[Tensor, Tensor], n: Tensor, spec: SpecConfig, sampling: SamplingConfig):
+    """One round's draft tree (lisa.decoding.tree.Tree) from the drafter's root (logits (GB, V), hidden
+    (GB, 1, H)) for rows that have emitted n (B,) tokens."""
+    logits, hidden = root
+    logp = guided(logits, sampling).log_softmax(-1)  # (B, V): scores use the raw guided drafter
+    logp = b.grammar.log_probs(logp[:, None], n[:, None])[:, 0]
+    if spec.tree == "chain":
+        return _draft_chain(drafter, b, logp, hidden, n, spec.depth, sampling)
+    return _draft_tree(drafter, b, logp, hidden, n, spec, sampling)
+
+
+def _draft_tree(drafter, b: Batch, root_logp, root_hidden, n, spec: SpecConfig, sampling):
     """EAGLE-2/3 dynamic tree (or a static one): expansions are drafter pairs written after the committed ones
     (slots n, n + 1, ... in expansion order) that see the committed pairs and their own ancestors' pairs."""
     B = root_logp.shape[0]
@@ -349,25 +406,22 @@ def _draft_tree(drafter, root_logp, root_hidden, n, spec: SpecConfig, C, use_cfg
         mask.scatter_(2, cols, anc)
         mask[:, :, Ld - 1] = False  # the junk slot is never attended
         parent = tree.parents.gather(1, pick)  # (B, k)
-        in_hid = torch.where(_dup(parent, use_cfg)[..., None] < 0, root_hidden.expand(-1, k, -1),
-                             hid_of.gather(1, _dup(parent.clamp(min=0), use_cfg)[..., None]
-                                           .expand(-1, -1, hid_of.shape[-1])))
+        in_hid = torch.where(b.dup(parent)[..., None] < 0, root_hidden.expand(-1, k, -1),
+                             hid_of.gather(1, b.dup(parent.clamp(min=0))[..., None].expand(-1, -1, hid_of.shape[-1])))
         depth = tree.depth.gather(1, pick)
-        rope = (C + n[:, None] - 1 + depth).clamp(max=max_pos)
-        out = drafter(_dup(tree.tokens.gather(1, pick), use_cfg), in_hid, input_pos=_dup(slots, use_cfg),
-                      mask=_dup(mask, use_cfg), rope_pos=_dup(rope, use_cfg))
-        hid_of.scatter_(1, _dup(pick, use_cfg)[..., None].expand(-1, -1, hid_of.shape[-1]), out.hidden)
+        rope = (b.C + n[:, None] - 1 + depth).clamp(max=b.max_pos)
+        out = drafter(b.dup(tree.tokens.gather(1, pick)), in_hid, input_pos=b.dup(slots), mask=b.dup(mask),
+                      rope_pos=b.dup(rope))
+        hid_of.scatter_(1, b.dup(pick)[..., None].expand(-1, -1, hid_of.shape[-1]), out.hidden)
         state.update(used=state["used"] + k, slot_of=slot_of, hid_of=hid_of)
-        return force_tokens(guided(out.logits, sampling).log_softmax(-1), n[:, None] + depth, forced, log=True,
-                            free_vocab=free_vocab)
+        return b.grammar.log_probs(guided(out.logits, sampling).log_softmax(-1), n[:, None] + depth)
 
     if spec.tree == "static":
-        return static_tree(root_logp, expand, static_choices(spec.depth, spec.top_k, spec.total_tokens))
-    return dynamic_tree(root_logp, expand, spec.depth, spec.top_k, spec.total_tokens)
+        return static_tree(root_logp, expand, static_choices(spec.depth, spec.top_k_draft, spec.total_tokens))
+    return dynamic_tree(root_logp, expand, spec.depth, spec.top_k_draft, spec.total_tokens)
 
 
-def _draft_chain(drafter, root_logp, root_hidden, n, depth, C, use_cfg, sampling, max_pos, forced=None,
-                 free_vocab=0):
+def _draft_chain(drafter, b: Batch, root_logp, root_hidden, n, depth, sampling):
     """A chain: the drafter's argmax, `depth` times (pairs at slots n, n+1, ...)."""
     B, dev = root_logp.shape[0], root_logp.device
     Ld = drafter.cache_length
@@ -383,12 +437,11 @@ def _draft_chain(drafter, root_logp, root_hidden, n, depth, C, use_cfg, sampling
             break
         slot = (n + i)[:, None]
         mask = torch.arange(Ld, device=dev)[None, None, :] <= slot[:, :, None]
-        rope = (C + n[:, None] + i).clamp(max=max_pos)
-        out = drafter(_dup(tok[:, None], use_cfg), hid, input_pos=_dup(slot, use_cfg), mask=_dup(mask, use_cfg),
-                      rope_pos=_dup(rope, use_cfg))
+        rope = (b.C + n[:, None] + i).clamp(max=b.max_pos)
+        out = drafter(b.dup(tok[:, None]), hid, input_pos=b.dup(slot), mask=b.dup(mask), rope_pos=b.dup(rope))
         hid = out.hidden
-        logp = force_tokens(guided(out.logits[:, 0], sampling).log_softmax(-1)[:, None], (n + i + 1)[:, None], forced,
-                            log=True, free_vocab=free_vocab)[:, 0]
+        logp = b.grammar.log_probs(guided(out.logits[:, 0], sampling).log_softmax(-1)[:, None],
+                                   (n + i + 1)[:, None])[:, 0]
         qs.append(logp.exp())
     qs += [torch.zeros_like(qs[0])] * (depth + 1 - len(qs))
     return chain(torch.stack(toks, 1), torch.stack(scores, 1), torch.stack(qs, 1))
@@ -397,92 +450,68 @@ def _draft_chain(drafter, root_logp, root_hidden, n, depth, C, use_cfg, sampling
 @torch.no_grad()
 def jacobi_generate(target: Transformer, cond: Tensor, sampling: SamplingConfig, verifier: str = "sjd",
                     window: int = 16, generator: Optional[torch.Generator] = None, num_tokens: Optional[int] = None,
-                    cond_mask: Optional[Tensor] = None, geometry=None, options: Optional[dict] = None,
-                    forced: Optional[Tensor] = None, measure: bool = False):
+                    cond_mask: Optional[Tensor] = None, geometry=None, options=None,
+                    forced: Optional[Tensor] = None, measure: bool = False) -> tuple[Tensor, DecodeStats]:
     """Drafter-free speculative decoding (SJD; GSD with verifier="gsd"): a window of `window` draft tokens (new
     positions start uniformly random) is refined by the target itself. Each iteration feeds [last token, drafts]
     in one forward; drafts are verified against the distributions they were drawn from; the drafts after the
     first rejection are re-drawn from this iteration's distributions (Jacobi), and the window is refilled.
-    forced: (T,) grammar tokens, -1 = free (force_tokens). measure: stats["tv"] as in speculative_generate.
-    Returns (tokens (B, T), {"forwards", "rounds", "tau", "accept_lengths"})."""
-    cond, cond_mask = target.split_cond(cond, cond_mask)  # a packed condition carries its mask
-    forced = forced if forced is not None else getattr(target, "grammar", None)  # lm: the image grammar
-    cfg = target.config
-    T = num_tokens or cfg.block_size
-    use_cfg, dev = sampling.use_cfg, cond.device
-    B, C, V, L = cond.shape[0], cfg.cls_token_num, cfg.vocab_size, window
-    fn = verify.get_verifier(verifier)
-    target.setup_caches((2 if use_cfg else 1) * B, C + T + L + 2)
-    key_mask = prefix_key_mask(target, cond_mask, use_cfg, cond)
-    ar = torch.arange(B, device=dev)
-
-    def probs_of(logits):
-        g = guided(logits, sampling)
-        return g, logits_to_probs(g, sampling.temperature, sampling.top_k, sampling.top_p)
-
-    tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
-    tokens[:, 0] = prefill(target, prefix_embeddings(target, cond, use_cfg), sampling, generator, key_mask)
-    if forced is not None and int(forced[0]) >= 0:
-        tokens[:, 0] = forced[0]
-    n = torch.ones(B, dtype=torch.long, device=dev)
-    q = torch.full((B, L, V), 1.0 / V, device=dev)  # what each draft was drawn from
-    drafts = sample_from(q, generator)
-    forwards, accepted, rounds = 1, [], 0
-    tv = torch.zeros(B, T, device=dev) if measure else None
-    while bool((n < T).any()):
-        rounds += 1
-        live = n < T
-        base = (C + n - 1).clamp(max=target.cache_length - L - 2)
+    options, forced, measure: as in speculative_generate. Returns (tokens (B, T), DecodeStats)."""
+    b = start(target, cond, sampling, num_tokens, cond_mask, forced, extra_slots=window + 2)
+    fn, options = verify.get_verifier(verifier), verify.verifier_options(verifier, options)
+    L, V = window, target.config.vocab_size
+    first, _ = prefill(target, b, sampling, generator)
+    em = Emitted.first(first, b.T, measure)
+    q = torch.full((b.B, L, V), 1.0 / V, device=first.device)  # (B, L, V) what each draft was drawn from
+    drafts = sample_from(q, generator)  # (B, L)
+    while em.unfinished():
+        live, n = em.live(), em.n
+        base = (b.C + n - 1).clamp(max=target.cache_length - L - 2)
         tree = chain(drafts, q=torch.cat([q, q[:, -1:]], 1))
-        out = tree_forward(target, tokens[ar, n - 1], tree, base, key_mask, use_cfg)
-        forwards += 1
-        g_logits, p = probs_of(out.logits)  # (B, L + 1, V): row i = distribution of draft i's position
-        p = force_tokens(p, n[:, None] + torch.arange(L + 1, device=dev), forced)
+        out = tree_forward(target, em.last(), tree, base, b.key_mask, b.use_cfg)
+        em.forwards += 1
+        g_logits, p = target_probs(out.logits, sampling)  # (B, L + 1, V): row i = distribution of draft i's position
+        p = b.grammar.probs(p, n[:, None] + torch.arange(L + 1, device=p.device))
         v = fn(verify.VerifyContext(p, tree, logits=g_logits, sampled_siblings=True, geometry=geometry,
                                     options=options, measure=measure), generator)
-        m = v.n_accepted
-        if tv is not None:
-            _record_tv(tv, v.tv, n, m, live)
-        for i in range(L + 1):  # accepted drafts are already at their sequence slots (a chain): just record them
-            write = live & (i <= m) & (n + i < T)
-            tok = torch.where(i < m, drafts[:, min(i, L - 1)], v.next_token)
-            tokens[ar[write], (n + i)[write]] = tok[write]
-        accepted.append(torch.where(live, torch.minimum(m + 1, T - n), torch.zeros_like(m)))
-        # Jacobi update: positions after the emitted ones keep being refined from this iteration's distributions
-        shift = m + 1  # drafts consumed (accepted + the rejected / bonus position)
-        idx = (shift[:, None] + torch.arange(L, device=dev)).clamp(max=L)  # rows of p for the new window
-        fresh = (shift[:, None] + torch.arange(L, device=dev)) > L  # beyond this iteration's rows: uniform
-        q = torch.where(fresh[..., None], torch.full_like(q, 1.0 / V), p.gather(1, idx[..., None].expand(-1, -1, V)))
+        m = v.n_accepted  # (B,) accepted drafts: already at their sequence slots (a chain)
+        em.commit(emitted_tokens(drafts, m, v.next_token), m, live, v.tv)
+        q = jacobi_window(p, m)
         drafts = sample_from(q, generator)
-        n = torch.where(live, (n + m + 1).clamp(max=T), n)
-    acc = torch.stack(accepted)
-    return tokens, {"forwards": forwards, "rounds": rounds, "tau": float(acc[acc > 0].float().mean()),
-                    "accept_lengths": acc.T.tolist(), **({"tv": tv} if tv is not None else {})}
+    return em.result()
+
+
+def jacobi_window(p: Tensor, m: Tensor) -> Tensor:
+    """The next window's draft distributions (B, L, V): positions after the m (B,) accepted drafts and the emitted
+    token keep being refined from this iteration's p (B, L + 1, V); positions beyond it start uniform."""
+    B, L, V = p.shape[0], p.shape[1] - 1, p.shape[2]
+    at = (m + 1)[:, None] + torch.arange(L, device=p.device)  # (B, L) rows of p for the new window
+    fresh = at > L  # (B, L) beyond this iteration's rows
+    return torch.where(fresh[..., None], torch.full((B, L, V), 1.0 / V, device=p.device),
+                       p.gather(1, at.clamp(max=L)[..., None].expand(-1, -1, V)))
 
 
 def decoder(target: Transformer, method: str = "vanilla", drafter=None, spec: Optional[SpecConfig] = None,
-            window: int = 16, geometry=None, options: Optional[dict] = None, measure: bool = False) -> Callable:
+            window: int = 16, geometry=None, options=None, measure: bool = False) -> Callable:
     """The Python API behind `lisa sample --method`: a function (cond, sampling, generator, cond_mask=None,
     forced=None) -> (tokens (B, T), stats) decoding with `method`: "vanilla", or a verifier name (greedy / exact / lantern / ...
     with an EAGLE-3 `drafter` and a `spec` tree; sjd / gsd run drafter-free over a `window`). Relaxed verifiers
-    read `geometry` (lisa.decoding.verify.Geometry) and their knobs from `options`. stats holds "forwards" and, for the
-    speculative methods, "tau" and the per-round "accept_lengths" (and with measure, "tv": see
-    speculative_generate)."""
+    read `geometry` (lisa.decoding.verify.Geometry) and their knobs from `options` (a dict or the verifier's typed
+    options, checked here). stats: DecodeStats. lisa.config.DecodeMethod.decoder builds one from params.yaml."""
     if method == "vanilla":
         return lambda c, s, g, cond_mask=None, forced=None: generate(target, c, s, g, cond_mask=cond_mask,
                                                                       forced=forced)
     if method not in verify.VERIFIERS:
         raise ValueError(f"decoding method {method!r}: not 'vanilla' nor a verifier {sorted(verify.VERIFIERS)}")
-    if method in ("sjd", "gsd"):
+    options = verify.verifier_options(method, options)
+    if verify.is_jacobi(method):
         return lambda c, s, g, cond_mask=None, forced=None: jacobi_generate(
             target, c, s, method, window, g, cond_mask=cond_mask, geometry=geometry, options=options, forced=forced,
             measure=measure)
     if drafter is None:
         raise ValueError(f"decoding method {method!r} verifies a drafter's trees: give a drafter "
                          "(`lisa train-drafter`)")
-    spec = spec or SpecConfig(method)
-    if spec.verifier != method:
-        spec = SpecConfig(method, spec.tree, spec.depth, spec.top_k, spec.total_tokens)
+    spec = dataclasses.replace(spec or SpecConfig(method), verifier=method)
     return lambda c, s, g, cond_mask=None, forced=None: speculative_generate(
         target, drafter, c, s, spec, g, cond_mask=cond_mask, geometry=geometry, options=options, forced=forced,
         measure=measure)

@@ -20,12 +20,17 @@ correction after a rejection, or the bonus token after a leaf. Acceptance length
   * sampled siblings (i.i.d. from q, SpecInfer): accept x with probability min(1, r(x) / q(x)); on rejection
     r = norm(max(r - q, 0)) (recursive rejection sampling).
 `greedy` accepts the child equal to argmax p and emits argmax p: speculative greedy = vanilla greedy.
+
+Each verifier registers with a frozen dataclass of its knobs (LanternOptions, GSDOptions, GASVOptions; NoOptions
+for greedy / exact / sjd), the only place their defaults live; `verifier_options(name, dict)` checks a mapping of
+knobs against it (an unknown key is a ValueError naming the verifier and the keys it allows).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Literal, Mapping, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -40,7 +45,7 @@ class VerifyContext:
     logits: Optional[Tensor] = None  # (B, N + 1, V) raw guided target logits (uncertainty measures)
     sampled_siblings: bool = False  # True: siblings drawn i.i.d. from q (SpecInfer); False: top-k (deterministic)
     geometry: Any = None  # codebook / neighbour table / calibration, for relaxed verifiers
-    options: Optional[dict] = None  # verifier knobs (lantern k and delta, gasv kappa and lambda, ...)
+    options: Any = None  # the verifier's typed options (verifier_options), a dict of them, or None = defaults
     measure: bool = False  # also compute the law of each emitted token and its TV distance to p (Verdict.tv)
 
 
@@ -159,28 +164,76 @@ def _normalise(r: Tensor) -> Tensor:
 # The registry
 
 
-VERIFIERS: dict[str, Callable[[VerifyContext, torch.Generator], Verdict]] = {}
+VerifierFn = Callable[[VerifyContext, torch.Generator], Verdict]
 
 
-def register(name: str):
+class Verifier(NamedTuple):
+    fn: VerifierFn
+    options: type  # a frozen dataclass of the verifier's knobs; its defaults are the only defaults
+    drafts: Literal["tree", "jacobi"]  # verifies a drafter's trees, or drafter-free Jacobi windows
+
+
+VERIFIERS: dict[str, Verifier] = {}
+
+
+def register(name: str, options: type, drafts: Literal["tree", "jacobi"] = "tree"):
     def wrap(fn):
         if name in VERIFIERS:
             raise ValueError(f"verifier {name!r} is already registered")
-        VERIFIERS[name] = fn
+        VERIFIERS[name] = Verifier(fn, options, drafts)
         return fn
 
     return wrap
 
 
-def get_verifier(name: str):
+def _entry(name: str) -> Verifier:
     if name not in VERIFIERS:
         raise ValueError(f"unknown verifier {name!r}; known: {sorted(VERIFIERS)}")
     return VERIFIERS[name]
 
 
-@register("greedy")
+def get_verifier(name: str) -> VerifierFn:
+    return _entry(name).fn
+
+
+def is_jacobi(name: str) -> bool:
+    """Whether verifier `name` runs drafter-free on Jacobi windows (sjd, gsd) rather than on a drafter's trees."""
+    return _entry(name).drafts == "jacobi"
+
+
+def option_keys(options_type: type) -> dict[str, dataclasses.Field]:
+    """params.yaml key -> field of an options dataclass (a trailing '_' is dropped: `lambda_` is `lambda`)."""
+    return {f.name.rstrip("_"): f for f in dataclasses.fields(options_type)}
+
+
+def verifier_options(name: str, options: Optional[Mapping[str, float]] = None):
+    """The typed options of verifier `name` from a mapping of knobs (params.yaml's `options`); None = defaults.
+    An unknown key, or a fractional value for an integer knob, is a ValueError naming the verifier and the key."""
+    entry = _entry(name)
+    if isinstance(options, entry.options):
+        return options
+    keys = option_keys(entry.options)
+    unknown = sorted(set(options or {}) - set(keys))
+    if unknown:
+        raise ValueError(f"verifier {name!r}: unknown options {unknown}; allowed: {sorted(keys) or 'none'}")
+    values = {}
+    for key, value in (options or {}).items():
+        f = keys[key]
+        if isinstance(f.default, int) and not float(value).is_integer():
+            raise ValueError(f"verifier {name!r}: option {key!r} must be an integer, got {value!r}")
+        values[f.name] = type(f.default)(value)
+    return entry.options(**values)
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """greedy, exact, sjd: no knobs."""
+
+
+@register("greedy", NoOptions)
 def greedy(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
     """Accept the child equal to the target's argmax; emit the argmax (ties: lowest id, like torch.argmax)."""
+    verifier_options("greedy", ctx.options)
 
     def accept(r, tok, q_parent, row, ctx):
         return (tok == r.argmax(-1)).float(), r  # r never changes: a rejected child is simply not the argmax
@@ -191,9 +244,10 @@ def greedy(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
     return walk(ctx, generator, accept, emit_fn=argmax)
 
 
-@register("exact")
+@register("exact", NoOptions)
 def exact(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
     """Lossless: the sequential rule for deterministic siblings, recursive rejection sampling for sampled ones."""
+    verifier_options("exact", ctx.options)
     if ctx.sampled_siblings and ctx.tree.q is None:
         raise ValueError("exact verification of sampled siblings needs the drafter's q (tree.q)")
 
@@ -269,16 +323,22 @@ def lantern_boost(r: Tensor, tok: Tensor, neighbours: Tensor, k: int, delta: flo
     return r_tok + boost, absorbed
 
 
-@register("lantern")
+@dataclass(frozen=True)
+class LanternOptions:
+    k: int = 5  # nearest codes a draft may stand for (<= the geometry's neighbour table)
+    delta: float = 0.1  # the budget: <= 1 absolute TV mass, > 1 LANTERN++'s relative budget (lantern_boost)
+
+
+@register("lantern", LanternOptions)
 def lantern(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
     """Relaxed acceptance: a draft is accepted with its boosted probability (the mass of the neighbours it may
     stand for, within the budget delta); on rejection it and the neighbours it absorbed leave the residual.
-    Options: k (neighbours, default 5), delta (default 0.1). Deterministic siblings: accept if u < boosted mass;
-    sampled siblings: u < boosted / q(x), as LANTERN."""
+    Options: LanternOptions. Deterministic siblings: accept if u < boosted mass; sampled siblings: u < boosted /
+    q(x), as LANTERN."""
     if ctx.geometry is None:
         raise ValueError("lantern needs the codebook geometry (VerifyContext.geometry = Geometry.from_codebook)")
-    opts = ctx.options or {}
-    k, delta = int(opts.get("k", 5)), float(opts.get("delta", 0.1))
+    o = verifier_options("lantern", ctx.options)
+    k, delta = o.k, o.delta
     table = ctx.geometry.neighbours
     if table.shape[1] < k:
         raise ValueError(f"lantern k={k} but the neighbour table holds {table.shape[1]} neighbours per code")
@@ -299,13 +359,14 @@ def lantern(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
 # distribution draft i was sampled from (the target's own, one iteration earlier; uniform for fresh positions).
 
 
-@register("sjd")
+@register("sjd", NoOptions, drafts="jacobi")
 def sjd(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
     """Speculative Jacobi decoding: accept draft x if u < min(1, p_t(x) / p_{t-1}(x)); the first rejection
     resamples from norm(max(0, p_t - p_{t-1})) (the recursive rejection rule on a chain)."""
+    verifier_options("sjd", ctx.options)
     if ctx.tree.q is None:
         raise ValueError("sjd needs the distributions the drafts were sampled from (tree.q)")
-    return exact(VerifyContext(ctx.p, ctx.tree, ctx.logits, True, ctx.geometry, ctx.options, ctx.measure), generator)
+    return exact(VerifyContext(ctx.p, ctx.tree, ctx.logits, True, ctx.geometry, None, ctx.measure), generator)
 
 
 def gsd_groups(r: Tensor, tok: Tensor, embeddings: Tensor, rank_window: int, prob_gap: float,
@@ -346,15 +407,21 @@ def gsd_group_masses(r: Tensor, q: Tensor, embeddings: Tensor, rank_window: int,
     return (r_c * member).sum(-1), (q_c * member).sum(-1)
 
 
-@register("gsd")
+@dataclass(frozen=True)
+class GSDOptions:
+    rank_window: int = 7  # a group spans +- this many ranks of the sorted target distribution
+    prob_gap: float = 0.15  # ... and tokens whose probability differs by less than this
+    dist: float = 0.5  # ... and whose squared L2 embedding distance is below this
+
+
+@register("gsd", GSDOptions, drafts="jacobi")
 def gsd(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
     """Grouped speculative decoding on Jacobi drafts: accept x if u < min(1, p(G(x)) / q(G(x))); on rejection
-    the SJD residual norm(max(0, p - q)). Options: rank_window (7), prob_gap (0.15), dist (0.5); the embeddings
-    are the geometry's codebook."""
+    the SJD residual norm(max(0, p - q)). Options: GSDOptions; the embeddings are the geometry's codebook."""
+    o = verifier_options("gsd", ctx.options)
     if ctx.tree.q is None or ctx.geometry is None or ctx.geometry.codebook is None:
         raise ValueError("gsd needs tree.q (Jacobi drafts) and the codebook (VerifyContext.geometry)")
-    opts = ctx.options or {}
-    w, gap, dist = int(opts.get("rank_window", 7)), float(opts.get("prob_gap", 0.15)), float(opts.get("dist", 0.5))
+    w, gap, dist = o.rank_window, o.prob_gap, o.dist
     emb = ctx.geometry.codebook
 
     def accept(r, tok, q_parent, row, ctx):
@@ -389,7 +456,17 @@ def gsd(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
 #   and bonus tokens are drawn from it. Mass only ever moves between codebook neighbours, by the share g: the
 #   sampled law is p with that transport applied, its TV to p is at most g(v) * r(N_k(v)) per tried child, and
 #   kappa up -> larger g -> longer acceptance, lambda up -> smaller g -> stricter; g = 0 is `exact`.
-# Options: kappa (1.0), lambda (0.5), a_kappa (1.0), a_lambda (1.0), k (8), eps (1e-6).
+# Options: GASVOptions below.
+
+
+@dataclass(frozen=True)
+class GASVOptions:
+    kappa: float = 1.0  # geometric budget scale: up -> larger g -> longer acceptance
+    lambda_: float = 0.5  # params.yaml `lambda`: cluster-mass threshold: up -> smaller g -> stricter
+    a_kappa: float = 1.0  # how strongly kappa follows the looseness (0 = constant)
+    a_lambda: float = 1.0  # how strongly lambda follows the looseness (0 = constant)
+    k: int = 8  # calibration neighbours a draft may take mass from (<= the calibration's table)
+    eps: float = 1e-6  # drift denominator guard
 
 
 def gasv_scores(logits: Tensor, p: Tensor, cal, kappa: float, lam: float, a_kappa: float, a_lambda: float,
@@ -417,10 +494,11 @@ def gasv_scores(logits: Tensor, p: Tensor, cal, kappa: float, lam: float, a_kapp
     return torch.maximum(g_geo, g_clu).reshape(B, S, V)
 
 
-@register("gasv")
+@register("gasv", GASVOptions)
 def gasv(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
     """LISA's geometry-aware soft verification (see the block above): needs the raw guided logits and a
-    calibration (geometry.calibration, `lisa calibrate`). Options: kappa, lambda, a_kappa, a_lambda, k, eps."""
+    calibration (geometry.calibration, `lisa calibrate`). Options: GASVOptions."""
+    o = verifier_options("gasv", ctx.options)
     cal = getattr(ctx.geometry, "calibration", None)
     if cal is None or ctx.logits is None:
         raise ValueError("gasv needs the target's raw guided logits and a calibration (VerifyContext.geometry = "
@@ -428,16 +506,10 @@ def gasv(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
     if cal.head.shape[0] != ctx.p.shape[-1]:
         raise ValueError(f"gasv: calibration covers {cal.head.shape[0]} tokens, the target's vocabulary has "
                          f"{ctx.p.shape[-1]}")
-    opts = dict(ctx.options or {})
-    unknown = set(opts) - {"kappa", "lambda", "a_kappa", "a_lambda", "k", "eps"}
-    if unknown:
-        raise ValueError(f"gasv: unknown options {sorted(unknown)}; known: kappa, lambda, a_kappa, a_lambda, k, eps")
-    k = int(opts.get("k", 8))
+    k = o.k
     if not 0 <= k <= cal.neighbours.shape[1]:
         raise ValueError(f"gasv k={k} but the calibration's neighbour table holds {cal.neighbours.shape[1]}")
-    g_all = gasv_scores(ctx.logits, ctx.p, cal, float(opts.get("kappa", 1.0)), float(opts.get("lambda", 0.5)),
-                        float(opts.get("a_kappa", 1.0)), float(opts.get("a_lambda", 1.0)),
-                        float(opts.get("eps", 1e-6)))
+    g_all = gasv_scores(ctx.logits, ctx.p, cal, o.kappa, o.lambda_, o.a_kappa, o.a_lambda, o.eps)
     table = cal.neighbours[:, :k].to(ctx.p.device)
     ar = torch.arange(ctx.p.shape[0], device=ctx.p.device)
 

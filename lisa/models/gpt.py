@@ -23,7 +23,7 @@ post-norms (`swin_norm`), and `model_type="lm"`: the condition is the prompt's t
 embedded with the same table as everything else (`text_vocab_size` rows). Our token ids are a compact vocabulary
 (`vocab_size`: the image codes first, then the image grammar tokens) mapped onto the checkpoint's ids by the
 `token_ids` buffer; the output head holds just those rows, and logits of ids >= `free_vocab` (the grammar) are
-pushed to -1e4 so that only image codes are ever sampled (the grammar is forced: lisa.decoding.generate.force_tokens).
+pushed to -1e4 so that only image codes are ever sampled (the grammar is forced: lisa.decoding.grammar).
 The RoPE pairs are stored interleaved like LlamaGen's: the importer permutes the query / key rows of each head
 from transformers' rotate-half layout, which leaves every attention score unchanged.
 """
@@ -409,7 +409,7 @@ class Transformer(nn.Module):
             self.cls_embedding = PromptEmbedder(self.tok_embeddings)
             # our id -> the checkpoint's id (image codes, then grammar tokens); persistent: saved with the weights
             self.register_buffer("token_ids", torch.arange(cfg.vocab_size))
-            # the forced image grammar every decode loop applies (lisa.decoding.generate.force_tokens)
+            # the forced image grammar every decode loop applies (lisa.decoding.grammar)
             self.register_buffer("grammar", square_image_grammar(cfg.free_vocab, cfg.block_size), persistent=False)
         else:  # (registration order = init order: kept as it was, so seeded models stay the same)
             self.cls_embedding = LabelEmbedder(cfg) if cfg.model_type == "c2i" else CaptionEmbedder(cfg)

@@ -13,7 +13,7 @@ The image grammar (LumImage grammar of Lumina-mGPT, see ANCHORS.md): start-of-im
 768 x 768 px = 48 x 48 codes + 48 EOL + 4 = 2356 tokens. Our compact vocabulary puts the image codes first
 (id = code, so the VQ codebook is the geometry of ids 0..K-1 unchanged) and the grammar tokens after them;
 `Transformer.token_ids` maps it onto the checkpoint's ids. `LuminaGrammar.forced(h, w)` is the engine's grammar
-vector (lisa.decoding.generate.force_tokens): grammar positions are forced, never sampled, drafted freely or verified.
+vector (lisa.decoding.grammar): grammar positions are forced, never sampled, drafted freely or verified.
 
 CFG as in Lumina-mGPT: the unconditional row is the image part alone (every prompt position masked out),
 batched with the conditional rows in one KV cache; tests/test_lumina.py runs the two rows as separate forwards
