@@ -1,5 +1,6 @@
 # Two commands set everything up on a fresh machine (Debian packages, a virtual environment, the Python stack):
-#   make run    the main job: the whole pipeline (dvc repro) on params.yaml, on the CPU
+#   make run    the main job: the whole pipeline (dvc repro) on params.yaml, on the CPU; it prints first what
+#               it will run and reuse (lisa plan) and how long that takes
 #   make test   the test suite
 # Plus: make setup (only the set-up), make bench, make clean-venv.
 
@@ -17,6 +18,8 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 .PHONY: run test setup apt bench clean-venv
 
 run: setup
+	@mkdir -p .dvc/tmp && $(BIN)/dvc status --json > .dvc/tmp/make-run-status.json 2>/dev/null || echo '{}' > .dvc/tmp/make-run-status.json
+	@$(BIN)/lisa plan --status .dvc/tmp/make-run-status.json
 	$(BIN)/dvc repro
 	@echo "Done: sample grids in reports/samples/*/grid.png, quality in reports/quality/, speculative decoding in reports/bench/<world>.md"
 

@@ -1,5 +1,6 @@
 """`lisa <stage>`: runs a pipeline stage through lisa.stages.run_stage (the Prefect tasks call the same function),
-prints its metrics. dvc.yaml calls these commands; `bench-gpu`, `estimate` and `profile` are tools, not stages.
+prints its metrics. dvc.yaml calls these commands; `bench-gpu`, `estimate`, `plan` and `profile` are tools, not
+stages.
 """
 from __future__ import annotations
 
@@ -38,7 +39,14 @@ def cmd_estimate(a):
     sys.stdout.write(estimate_markdown(p, a.gpu, a.tau))
     missing = missing_checkpoints(p)
     if missing:
-        sys.stdout.write("\nNot found (see README, 'Use your own checkpoints'):\n" + "".join(f"  {m}\n" for m in missing))
+        sys.stdout.write("\nNot found (see docs/real-checkpoints.md):\n" + "".join(f"  {m}\n" for m in missing))
+    return None
+
+
+def cmd_plan(a):
+    from lisa.stages.plan import main as plan
+
+    sys.stdout.write("".join(line + "\n" for line in plan(a.status, a.lock)))
     return None
 
 
@@ -147,7 +155,7 @@ def _add_stages(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lisa", description="LISA: locality-informed speculative decoding for "
-                                     "AR image generation. Each command but bench-gpu, estimate and profile is one "
+                                     "AR image generation. Each command but bench-gpu, estimate, plan and profile is one "
                                      "pipeline stage of dvc.yaml, of the same name.")
     parser.add_argument("--version", action="version", version=f"lisa {__version__}")
     sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
@@ -171,6 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--gpu", default="H200", help="H200 | H100 | A100-80G | A100-40G | L40S | RTX4090")
     s.add_argument("--tau", type=float, default=2.5, help="acceptance length assumed for speculative decoding")
     s.set_defaults(fn=cmd_estimate)
+    s = sub.add_parser("plan", help="what `make run` (dvc repro) will do: the stages it runs and why, the committed "
+                       "release artifacts it reuses, the expected time (reads `dvc status --json` output)")
+    s.add_argument("--status", required=True, help="a file holding the output of `dvc status --json`")
+    s.add_argument("--lock", default="dvc.lock")
+    s.set_defaults(fn=cmd_plan)
     p = sub.add_parser("profile", help="print a named params profile (micro, real) to stdout")
     p.add_argument("name")
     p.set_defaults(fn=cmd_profile)

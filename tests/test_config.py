@@ -103,15 +103,21 @@ def resolved(params) -> dict:
 
 @pytest.mark.parametrize("profile", ["params.yaml", "micro", "real"])
 def test_sampling_sections_resolve_as_before(profile):
-    """Every sampling section of params.yaml and the profiles samples exactly as it did before the top-level
-    `sampling` section existed, and still does when it leaves out the values that section gives it."""
+    """Every sampling section of params.yaml and the profiles samples with the top-level `sampling` values (the
+    sections no longer repeat them; a world's own `sampling` over both), and still does when a section leaves out
+    whatever value equals the top-level one."""
     from lisa.config import sampling_sections
 
     raw = yaml.safe_load((ROOT / profile).read_text() if profile.endswith(".yaml") else profile_text(profile))
     now = resolved(parse_params(raw))
-    before = dict(raw)
-    before.pop("sampling")
-    assert resolved(parse_params(before)) == now
+    top = raw["sampling"]
+    for (section, world), s in now.items():
+        own = raw
+        for key in section.split("."):
+            own = own.get(key) or {}
+        want = top | {k: v for k, v in own.items() if k in top} | (raw["worlds"][world].get("sampling") or {})
+        assert (s.temperature, s.top_k, s.top_p, s.cfg_scale) == tuple(want[k] for k in
+                                                                         ("temperature", "top_k", "top_p", "cfg_scale"))
     inherited = yaml.safe_load(yaml.safe_dump(raw))
     for path in sampling_sections():
         section = inherited
@@ -129,8 +135,9 @@ def test_sampling_default_section_and_world_order():
     raw = micro()
     raw["sampling"] = {"temperature": 0.5, "top_k": 3, "top_p": 0.8, "cfg_scale": 5.0}
     for key in ("temperature", "top_k", "top_p", "cfg_scale"):
-        del raw["sample"][key]
+        raw["sample"].pop(key, None)
     raw["evaluate"]["cfg_scale"] = 6.0
+    raw["evaluate"]["top_k"] = 16
     del raw["table"]
     raw["worlds"]["fashion-c2i"]["sampling"] = {"top_k": 7}
     p = parse_params(raw)

@@ -45,11 +45,9 @@ def test_coco_prompts_longest_caption_per_image(tmp_path):
 
 
 def test_world_sampling_overrides_section():
-    from lisa.stages.common import world_sampling
-
     w = WorldParams(target={"preset": "GPT-micro"}, tokenizer={"preset": "VQ-micro"},
                     sampling={"cfg_scale": 3.0, "top_k": 2000})
-    s = world_sampling(w, SampleParams(temperature=0.5, cfg_scale=7.0))
+    s = w.sampling_config(SampleParams(temperature=0.5, cfg_scale=7.0))
     assert (s.cfg_scale, s.top_k, s.temperature) == (3.0, 2000, 0.5)
     with pytest.raises(ValueError, match="unknown keys"):
-        world_sampling(WorldParams(target={}, tokenizer={}, sampling={"cfg": 1.0}), SampleParams())
+        WorldParams(target={}, tokenizer={}, sampling={"cfg": 1.0}).sampling_config(SampleParams())

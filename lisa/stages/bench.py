@@ -11,8 +11,7 @@ from lisa.checkpoint import write_json
 from lisa.config import BenchParams, BenchSpecParams, SampleParams, WorldParams
 from lisa.models.gpt import Transformer, gpt_config
 from lisa.models.llamagen import load_target, load_tokenizer
-from lisa.stages.common import (calibration_sha, class_names, load_geometry, method_drafters, text_encoder,
-                                world_sampling)
+from lisa.stages.common import calibration_sha, class_names, load_geometry, method_drafters, text_encoder
 from lisa.stages.paths import SharedPaths, Stage, WorldPaths
 from lisa.stages.render import plot_bench, write_lines
 
@@ -61,11 +60,6 @@ def _bench_conditions(world: WorldParams, cfg, sample_p: SampleParams, p: BenchS
 
 
 def _check_methods(p: BenchSpecParams) -> None:
-    from lisa.decoding.verify import VERIFIERS
-
-    unknown = [m.method for m in p.methods if m.method != "vanilla" and m.method not in VERIFIERS]
-    if unknown:
-        raise ValueError(f"bench_spec.methods: unknown methods {unknown}; known: vanilla, {sorted(VERIFIERS)}")
     if len({m.name for m in p.methods}) != len(p.methods):
         raise ValueError(f"bench_spec.methods: names must be unique, got {[m.name for m in p.methods]}")
 
@@ -83,7 +77,7 @@ def bench_spec(world: WorldParams, sample_p: SampleParams, p: BenchSpecParams, p
     drafters = method_drafters(p.methods, {"release": paths.drafter_file, "lid": paths.lid_drafter_file}, target_meta)
     geometry = load_geometry(model, target_meta, vq, p.methods, p.neighbours, paths.calibration_file)
     conditions, text_ms = _bench_conditions(world, cfg, sample_p, p, paths.target_file)
-    sampling = world_sampling(world, p)  # the world's own values over the section's
+    sampling = world.sampling_config(p)  # the world's own values over the section's
 
     def vq_decode(tokens):
         with torch.inference_mode():

@@ -11,24 +11,9 @@ from lisa.checkpoint import read_state_dict
 from lisa.config import BenchMethod, WorldParams
 from lisa.data import datasets as data
 from lisa.data.text import CaptionEncoder
-from lisa.decoding.sampling import SamplingConfig
 from lisa.models.gpt import grammar_grid, square_image_grammar
 from lisa.models.llamagen import load_drafter
 from lisa.quality import judges
-
-# the verifiers of a drafter's trees (sjd / gsd draft themselves)
-DRAFTER_VERIFIERS = ("greedy", "exact", "lantern", "gasv")
-
-
-def world_sampling(world: WorldParams, p) -> SamplingConfig:
-    """The SamplingConfig of a sampling section `p`, with the world's own `sampling` values over it."""
-    known = {"temperature", "top_k", "top_p", "cfg_scale"}
-    over = world.sampling or {}
-    if set(over) - known:
-        raise ValueError(f"worlds.<world>.sampling: unknown keys {sorted(set(over) - known)}; known: {sorted(known)}")
-    v = {k: over.get(k, getattr(p, k)) for k in known}
-    return SamplingConfig(float(v["temperature"]), int(v["top_k"]), float(v["top_p"]), float(v["cfg_scale"]))
-
 
 def caption_encoder(world: WorldParams) -> CaptionEncoder:
     """The world's caption encoder: MiniLM (the default) or a local model directory (T5)."""
@@ -143,7 +128,7 @@ def method_drafters(methods, paths: dict, target_meta: dict) -> dict:
     """{"release" | "lid": (drafter, sidecar)} for the drafters the methods use (BenchMethod.drafter), checked against
     the target."""
     out = {}
-    for which in sorted({m.drafter for m in methods if m.method in DRAFTER_VERIFIERS or m.tree == "auto"}):
+    for which in sorted({m.drafter for m in methods if m.drafts_tree}):
         path = paths.get(which)
         if path is None or not Path(path).is_file():
             users = [m.name for m in methods if m.drafter == which and m.method != "vanilla"]

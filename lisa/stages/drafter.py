@@ -20,7 +20,7 @@ from lisa.checkpoint import file_sha256, save_artifact, write_json
 from lisa.config import (AblateLIDParams, CacheLogitsParams, CalibrateParams, SampleParams, TrainDrafterParams,
                          WorldParams)
 from lisa.models.llamagen import load_target, load_tokenizer
-from lisa.stages.common import load_codes, target_codebook, text_conditions, world_sampling
+from lisa.stages.common import load_codes, target_codebook, text_conditions
 from lisa.stages.paths import Stage, WorldPaths
 from lisa.stages.render import ablation_markdown, ddp_markdown, write_lines
 from lisa.training import cache
@@ -71,6 +71,15 @@ def cache_logits(p: CacheLogitsParams, paths: WorldPaths, corpus: Optional[str |
     n = len(all_tokens) if p.max_sequences is None else min(p.max_sequences, len(all_tokens))
     tokens, cond = all_tokens[:n], all_cond[:n]
     spec = cache.CacheSpec(p.K, p.shard_size, p.batch_size, p.uncond_every)
+    source = ({"corpus": str(corpus), "corpus_manifest_sha256": file_sha256(Path(corpus) / "manifest.json")}
+              if corpus is not None else
+              {"codes": str(paths.codes_file), "codes_sha256": file_sha256(paths.codes_file)})
+    identity = cache.cache_identity(target_meta["sha256"], spec, n, tokens.shape[1],
+                                    {k: v for k, v in source.items() if k.endswith("sha256")})  # content, not paths
+    if rank == 0 and (why := cache.prepare_cache_dir(paths.cache_dir, identity)):
+        print(why)
+    if world_size > 1:
+        dist.barrier()  # no rank writes a shard before rank 0 has cleared a cache of other settings
     t0 = time.perf_counter()
     cache.write_cache(target, target_meta["sha256"], tokens, cond, spec, paths.cache_dir, rank, world_size)
     elapsed = time.perf_counter() - t0
@@ -78,9 +87,6 @@ def cache_logits(p: CacheLogitsParams, paths: WorldPaths, corpus: Optional[str |
         dist.barrier()
     if rank != 0:
         return {"rank": rank}
-    source = ({"corpus": str(corpus), "corpus_manifest_sha256": file_sha256(Path(corpus) / "manifest.json")}
-              if corpus is not None else
-              {"codes": str(paths.codes_file), "codes_sha256": file_sha256(paths.codes_file)})
     manifest = cache.write_manifest(paths.cache_dir, target_meta["sha256"], spec, n, tokens.shape[1], extra=source)
     metrics = {"sequences": n, "tokens": manifest["tokens"], "bytes": manifest["bytes"],
                "bytes_per_token": manifest["bytes_per_token"], "K": p.K, "workers": world_size,
@@ -107,7 +113,6 @@ def ablate_lid(world: WorldParams, train_p: TrainDrafterParams, p: AblateLIDPara
                paths: WorldPaths) -> dict:
     """LID vs the baseline loss, same data (the logit cache), steps and seed: two drafters, then the acceptance
     length tau of each under `exact` verification on the same conditions and seeds."""
-    from lisa.decoding.generate import SpecConfig
     from lisa.training.distill import LIDConfig
     from lisa.training.drafter import new_drafter, train_drafter as train
 
@@ -121,8 +126,8 @@ def ablate_lid(world: WorldParams, train_p: TrainDrafterParams, p: AblateLIDPara
         cond = torch.tensor([c for c in sample_p.classes for _ in range(p.per_class)])
     else:
         cond = text_conditions(world, target.config, list(sample_p.prompts)).repeat_interleave(p.per_class, 0)
-    sampling = world_sampling(world, p)  # the world's own values over the section's
-    spec = SpecConfig("exact", p.tree, p.depth, p.top_k_draft, p.total_tokens)
+    sampling = world.sampling_config(p)  # the world's own values over the section's
+    spec = p.spec_config("exact")
     results = {}
     for name, loss in (("baseline", None), ("lid", lid)):
         torch.manual_seed(tp.seed)

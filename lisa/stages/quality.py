@@ -20,7 +20,7 @@ from lisa.models.llamagen import load_target, load_tokenizer
 from lisa.quality import fid, judges
 from lisa.quality import metrics as quality
 from lisa.stages.common import (calibration_sha, class_names, eval_conditions, image_tokenizer, judge_scores,
-                                load_geometry, load_images, method_drafters, world_sampling)
+                                load_geometry, load_images, method_drafters)
 from lisa.stages.paths import Stage, WorldPaths
 from lisa.stages.render import quality_grid, write_lines
 
@@ -145,7 +145,7 @@ def evaluate(world: WorldParams, p: EvaluateParams, q: QualityParams, paths: Wor
     """`num_samples` vanilla CFG samples (classes in turn, or held-out captions in turn): FID / KID against the
     held-out reference features, and the judge's score, next to the judge's score of real held-out images."""
     s = _scored(paths, p.num_samples)
-    sampling = world_sampling(world, p)  # the world's own values over the section's
+    sampling = world.sampling_config(p)  # the world's own values over the section's
     work = paths.quality_work / ("samples-" + _recipe_hash([s.target_meta["sha256"], s.vq_meta["sha256"], asdict(p)]
                                                            + ([world.sampling] if world.sampling else [])))
     timing = work / "tokens.json"  # the sampling time of the cached tokens, kept with them
@@ -174,18 +174,13 @@ def evaluate(world: WorldParams, p: EvaluateParams, q: QualityParams, paths: Wor
 
 def _method_decoder(s: _Scored, m, p: TableParams, paths: WorldPaths):
     """(decode, drafters, geometry) of a table cell's method on the target."""
-    from lisa.decoding.generate import SpecConfig, decoder
-
     drafters = method_drafters([m], {"release": paths.drafter_file, "lid": paths.lid_drafter_file}, s.target_meta)
     geometry = load_geometry(s.model, s.target_meta, s.vq, [m], min(64, s.model.config.vocab_size - 1),
                              paths.calibration_file)
     if geometry is not None and geometry.calibration is not None:
         geometry.neighbours = geometry.calibration.neighbours
     drafter = drafters[m.drafter][0] if m.drafter in drafters else None
-    spec = (SpecConfig(m.method, m.tree, m.depth, m.top_k_draft, m.total_tokens)
-            if m.method not in ("vanilla", "sjd", "gsd") else None)
-    decode = decoder(s.model, m.method, drafter, spec, m.window, geometry, dict(m.options),
-                     measure=m.method != "vanilla")
+    decode = m.decoder(s.model, drafter, geometry, measure=m.method != "vanilla")
     return decode, drafters, geometry
 
 
@@ -216,7 +211,7 @@ def eval_method(world: WorldParams, name: str, p: TableParams, q: QualityParams,
     m = p.cells[name].as_method(name)
     s = _scored(paths, p.num_samples)
     decode, drafters, geometry = _method_decoder(s, m, p, paths)
-    sampling = world_sampling(world, p)  # the world's own values over the section's
+    sampling = world.sampling_config(p)  # the world's own values over the section's
     drafter_sha = {k: meta["sha256"] for k, (_, meta) in drafters.items()}
     recipe = [s.target_meta["sha256"], s.vq_meta["sha256"], asdict(m),
               {k: v for k, v in asdict(p).items() if k not in ("rows", "pareto", "cells")}, drafter_sha,

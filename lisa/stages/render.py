@@ -75,16 +75,16 @@ def pareto_plot(cells: dict[str, dict[str, dict]], pareto: list[str], path: str 
 
 def describe_cell(c) -> str:
     """A table cell's settings in a few words: window, or tree and verifier knobs."""
-    o = c.options
     if c.method == "vanilla":
         return "-"
-    if c.method in ("sjd", "gsd"):
+    if not c.drafts_tree:
         return f"window {c.window}"
+    o = c.verifier_options()
     tree = f"{c.tree} d{c.depth} top-{c.top_k_draft} {c.total_tokens} nodes"
     if c.method == "lantern":
-        tree += f", k {o.get('k', 5):g}, delta {o.get('delta', 0.1):g}"
+        tree += f", k {o.k:g}, delta {o.delta:g}"
     if c.method == "gasv":
-        tree += f", kappa {o.get('kappa', 1.0):g}, lambda {o.get('lambda', 0.5):g}, k {o.get('k', 8):g}"
+        tree += f", kappa {o.kappa:g}, lambda {o.lambda_:g}, k {o.k:g}"
     return tree + (", LID drafter" if c.drafter == "lid" else "")
 
 

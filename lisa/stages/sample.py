@@ -11,14 +11,14 @@ import torch
 from tqdm import tqdm
 
 from lisa.checkpoint import atomic_write, write_json
-from lisa.config import AutoTreeParams, BenchMethod, PremiseParams, SampleParams, WorldParams
+from lisa.config import AutoTreeParams, PremiseParams, SampleParams, WorldParams
 from lisa.data import datasets as data
 from lisa.data.images import save_grid
 from lisa.bench.speed import auto_tree
 from lisa.decoding.sampling import SamplingConfig
 from lisa.models.llamagen import load_drafter, load_target, load_tokenizer
 from lisa.quality.premise import premise_stats
-from lisa.stages.common import class_names, load_codes, load_geometry, target_codebook, text_conditions, world_sampling
+from lisa.stages.common import class_names, load_codes, load_geometry, target_codebook, text_conditions
 from lisa.stages.paths import Stage, WorldPaths
 
 
@@ -47,7 +47,7 @@ def sample(world: WorldParams, p: SampleParams, paths: WorldPaths) -> dict:
         raise ValueError(f"{paths.target_file} samples {cfg.free_vocab or cfg.vocab_size} codes but "
                          f"{paths.tokenizer_file} has codebook_size {vq.config.codebook_size}")
     rows, cond = _grid_rows(world, cfg, p, paths.target_file)
-    sampling = world_sampling(world, p)
+    sampling = world.sampling_config(p)
     gen = torch.Generator().manual_seed(p.seed)
     tokens, images, taus, decode_s, auto = [], [], [], 0.0, {}
     t0 = time.perf_counter()
@@ -67,7 +67,8 @@ def sample(world: WorldParams, p: SampleParams, paths: WorldPaths) -> dict:
     save_grid(torch.cat(images), out / "grid.png", nrow=p.per_class,
               labels=[f"{r} {names[int(r)]}" for r in rows] if names else rows)
     tokens = torch.cat(tokens)
-    atomic_write(out / "tokens.pt", lambda tmp: torch.save({"rows": rows, "tokens": tokens}, tmp))
+    # through a file object: torch.save names the archive after a path it is given (here a random temp name)
+    atomic_write(out / "tokens.pt", lambda tmp: _save_pt({"rows": rows, "tokens": tokens}, tmp))
     metrics = {"images": len(cond), "rows": rows, "decode_loop_s": total_s - decode_s, "vq_decode_s": decode_s,
                "s_per_image": (total_s - decode_s) / len(cond), "method": p.method, "tau": sum(taus) / len(taus),
                **({"auto_tree": auto} if auto else {}),
@@ -76,34 +77,31 @@ def sample(world: WorldParams, p: SampleParams, paths: WorldPaths) -> dict:
     return metrics
 
 
+def _save_pt(obj, path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+
+
 def _decoder(model, vq, target_meta: dict, p: SampleParams, drafter_path, calib=None, auto: Optional[dict] = None,
              calibration_path=None):
     """(cond, sampling, generator) -> (tokens, stats) for the method p.method. With p.tree "auto", the cost model
     picks depth and total_tokens from decoding the conditions `calib` on this machine (recorded in `auto`)."""
-    from lisa.decoding.generate import SpecConfig, decoder
-    from lisa.decoding.verify import VERIFIERS
-
-    if p.method != "vanilla" and p.method not in VERIFIERS:
-        raise ValueError(f"sample.method {p.method!r}: not 'vanilla' nor a verifier {sorted(VERIFIERS)}")
     # the neighbour table is V x V work: only for the verifiers that read it
-    geometry = load_geometry(model, target_meta, vq, [BenchMethod(p.method, p.method)], p.neighbours, calibration_path)
+    geometry = load_geometry(model, target_meta, vq, [p], p.neighbours, calibration_path)
     drafter = None
-    if p.method not in ("vanilla", "sjd", "gsd"):
+    if p.drafts_tree:
         if drafter_path is None or not Path(drafter_path).is_file():
             raise FileNotFoundError(f"sample.method {p.method!r} needs a drafter: {drafter_path} not found "
                                     "(`lisa train-drafter`)")
         drafter, _ = load_drafter(drafter_path, target_meta)
-    depth, total = p.depth, p.total_tokens
     if p.tree == "auto" and drafter is not None:
-        method = BenchMethod(p.method, p.method, "auto", top_k_draft=p.top_k_draft, options=p.options)
-        sampling = SamplingConfig(p.temperature, p.top_k, p.top_p, p.cfg_scale)
-        choice = auto_tree(model, drafter, [{"label": "calibration", "cond": calib}], method, sampling, p.seed,
+        sampling = SamplingConfig(p.temperature, p.top_k, p.top_p, p.cfg_scale)  # as before: not the world's
+        choice = auto_tree(model, drafter, [{"label": "calibration", "cond": calib}], p, sampling, p.seed,
                            geometry, AutoTreeParams(calib_conditions=1))
-        depth, total = choice.depth, choice.total_tokens
+        p = dataclasses.replace(p, tree="dynamic", depth=choice.depth, total_tokens=choice.total_tokens)
         if auto is not None:
-            auto.update(depth=depth, total_tokens=total, why=choice.why)
-    spec = SpecConfig(p.method, "dynamic" if p.tree == "auto" else p.tree, depth, p.top_k_draft, total)
-    return decoder(model, p.method, drafter, spec, p.window, geometry, p.options)
+            auto.update(depth=choice.depth, total_tokens=choice.total_tokens, why=choice.why)
+    return p.decoder(model, drafter, geometry)
 
 
 def premise(p: PremiseParams, paths: WorldPaths) -> dict:
