@@ -116,3 +116,23 @@ def test_a_failed_run_keeps_the_committed_artifact(fresh_clone):
         assert target.read_bytes() == before
     finally:
         params.write_text(text)
+
+
+def test_plan_names_what_runs_what_waits_and_what_rebuilds():
+    """`lisa plan` (make run's first lines): missing outputs run; a stage whose only change is an input that
+    another stage rebuilds waits; a changed code dependency of a release stage is a warning."""
+    from lisa.stages.plan import plan, release_families
+
+    lock = {"stages": {"build-dataset@w": {"outs": [{"path": "data/datasets/w"}]},
+                       "train-target@w": {"outs": [{"path": "data/target/w"}]},
+                       "encode@w": {"outs": [{"path": "data/codes/w"}]}}}
+    families = release_families(yaml.safe_load((ROOT / "dvc.yaml").read_text()))
+    assert {"train-target", "encode", "calibrate", "train-drafter"} <= families and "build-dataset" not in families
+    status = {"build-dataset@w": [{"changed outs": {"data/datasets/w": "deleted"}}],
+              "encode@w": [{"changed deps": {"data/datasets/w": "deleted"}}]}
+    lines, rebuilt = plan(status, lock, families)
+    assert not rebuilt and "1 of 3 stages will run; 1 wait" in lines[0]
+    assert any(l.startswith("  runs build-dataset@w") for l in lines) and "data/target/w" in lines[1]
+    status["train-target@w"] = [{"changed deps": {"lisa/models/gpt.py": "modified"}}]
+    lines, rebuilt = plan(status, lock, families)
+    assert rebuilt and "WARNING" in lines[-2] and "train-target@w" in lines[-2]

@@ -14,9 +14,8 @@ import yaml
 # Wall seconds per stage and world, measured on the reference machine (2 CPU cores) from a fresh clone, 2026-12-03:
 # the stages a fresh clone runs because their outputs are not in git. Anything else that would run is named with
 # its reason: it rebuilds a committed artifact, which takes from minutes to hours (its report has the last time).
-SECONDS = {"build-dataset": 30, "cache-logits": 45, "laion-fixture": 20, "build-laion-coco": 60,
-           "build-self-generated": 70}
-SETUP_S = 150  # virtual environment and packages, once
+SECONDS = {"build-dataset": 25, "cache-logits": 45, "laion-fixture": 30, "build-laion-coco": 90,
+           "build-self-generated": 65}
 
 
 def release_families(dvc_yaml: dict) -> set[str]:
@@ -30,36 +29,50 @@ def release_families(dvc_yaml: dict) -> set[str]:
     return out
 
 
-def _reason(changes: list, most: int = 3) -> str:
+def _changes(changes: list) -> list[tuple[str, str]]:
+    """dvc status entries of one stage -> [(what, how)]: ("command", "changed"), (path, "modified" | "deleted" |
+    "not in cache (output)" ...), ("params.yaml: key", "modified") ..."""
     out = []
     for c in changes:
         if isinstance(c, str):
-            out.append(c)
+            out.append((c.replace("changed ", ""), "changed"))
             continue
         for kind, paths in c.items():
             for path, how in paths.items():
-                out.append(f"{path} {how}" if isinstance(how, str) else f"{path}: {', '.join(how)}")
-    return "; ".join(out[:most]) + (f"; +{len(out) - most} more" if len(out) > most else "")
+                how = f"{how} (output)" if kind == "changed outs" else how
+                out += [(path, how)] if isinstance(how, str) else [(f"{path}: {k}", v) for k, v in how.items()]
+    return out
+
+
+def _missing_input(what: str, how: str, outs: set[str]) -> bool:
+    """A dependency that another stage rebuilds first (a dataset, a logit cache): if it comes back the same, DVC
+    skips the stage."""
+    return how == "deleted" and any(what == o or what.startswith(o + "/") for o in outs)
 
 
 def plan(status: dict, lock: dict, families: set[str]) -> tuple[list[str], bool]:
     """Lines to print, and whether a committed release artifact would be rebuilt. families: release_families."""
     stages = lock.get("stages", {})
+    outs = {o["path"] for e in stages.values() for o in e.get("outs", [])}
     release = {s: [o["path"] for o in e.get("outs", []) if o["path"].startswith("data/")]
                for s, e in stages.items() if s.split("@")[0] in families}
-    run = {s: _reason(c) for s, c in status.items()}
+    changed = {s: _changes(c) for s, c in status.items()}
+    waits = sorted(s for s, c in changed.items() if all(_missing_input(w, h, outs) for w, h in c))
+    run = {s: c for s, c in changed.items() if s not in waits}
     rebuilt = sorted(s for s in run if s in release)
     known = sum(SECONDS.get(s.split("@")[0], 0) for s in run)
-    lines = [f"make run: {len(run)} of {len(stages)} stages will run, {len(stages) - len(run)} are up to date."]
+    lines = [f"make run: {len(run)} of {len(stages)} stages will run; {len(waits)} wait for inputs that are rebuilt "
+             f"first (skipped if those come back the same); {len(stages) - len(changed)} are up to date."]
     reused = sorted(p for s, paths in release.items() if s not in run for p in paths)
     if reused:
         lines.append(f"  reused (committed release artifacts): {', '.join(reused)}")
     for s in sorted(run):
-        lines.append(f"  runs {s}: {run[s]}")
+        shown = "; ".join(f"{w} {h}" for w, h in run[s][:3]) + (f"; +{len(run[s]) - 3} more" if len(run[s]) > 3 else "")
+        lines.append(f"  runs {s}: {shown}")
     if rebuilt:
         lines.append(f"  WARNING: rebuilds committed release artifacts ({', '.join(rebuilt)}): this can take hours; "
                      "see each stage's report for its last duration")
-    lines.append(f"  expected: about {round((known + SETUP_S) / 60)} minutes on 2 CPU cores"
+    lines.append(f"  expected: about {max(1, round(known / 60))} minutes on 2 CPU cores"
                  + (" plus the rebuilt artifacts" if rebuilt else ""))
     return lines, bool(rebuilt)
 
