@@ -169,13 +169,18 @@ class DraftTree:
     depth: int = 4  # draft levels
     top_k_draft: int = 4  # children per expanded node (dynamic, static)
     total_tokens: int = 16  # draft nodes verified per round (dynamic, static)
-    draft: Literal["topk"] = "topk"  # how siblings are drafted: the drafter's top-k (deterministic siblings)
+    # how siblings are drafted: the drafter's top-k (deterministic) | drawn from its q with the round's generator
+    # (lossless with exact at any temperature; needs a shape fixed before drawing: chain, static or `branching`)
+    draft: Literal["topk", "sample"] = "topk"
+    siblings: Literal["wor", "iid"] = "wor"  # sampled siblings: without replacement | i.i.d.
+    branching: list[int] = Field(default_factory=list)  # sampled trees: children per node per level, e.g. [3, 2, 1, 1]
 
     def spec_config(self, verifier: str) -> SpecConfig:
         """The tree as the decode loop reads it; tree "auto" must be resolved first (lisa.bench.speed.auto_tree)."""
         if self.tree == "auto":
             raise ValueError("tree 'auto' is resolved by the cost model before decoding (lisa.bench.speed.auto_tree)")
-        return SpecConfig(verifier, self.tree, self.depth, self.top_k_draft, self.total_tokens)
+        return SpecConfig(verifier, self.tree, self.depth, self.top_k_draft, self.total_tokens, self.draft,
+                          self.siblings, tuple(self.branching))
 
 
 @dataclass(config=STRICT)

@@ -42,7 +42,7 @@ def test_measured_tv_is_the_tv_of_what_is_sampled(name, options):
     """Deterministic siblings: the law the walk computes at the root gives the TV of the first emitted token's
     empirical distribution over 2e5 walks (same tree, fresh randomness)."""
     B = 200_000
-    tree, p, p0, _ = tree_batch(B, sampled=False)
+    tree, p, p0, _ = tree_batch(B)
     v = get_verifier(name)(ctx_for(p, tree, tiny_calibration(), options=options, measure=True),
                            torch.Generator().manual_seed(3))
     tv0 = v.tv[:, 0]
@@ -67,11 +67,11 @@ def test_measured_tv_over_sampled_drafts(name):
     q0 = (2 * torch.rand(V, generator=g)).softmax(-1)
     drafts = torch.multinomial(q0, B, replacement=True, generator=g)[:, None]
     p1 = (2 * torch.rand(V, V, generator=g)).softmax(-1)[drafts[:, 0]]
-    tree = chain(drafts, q=torch.stack([q0.expand(B, V), q0.expand(B, V)], 1))
+    tree = chain(drafts, q=torch.stack([q0.expand(B, V), q0.expand(B, V)], 1), sampled="iid")
     p = torch.stack([p0.expand(B, V), p1], 1)
     cal = tiny_calibration()
     geo = Geometry(cal.neighbours, torch.randn(V, 3, generator=g), cal)
-    ctx = VerifyContext(p, tree, logits=p.log(), sampled_siblings=True, geometry=geo,
+    ctx = VerifyContext(p, tree, logits=p.log(), geometry=geo,
                         options={"gsd": {"dist": 4.0, "prob_gap": 0.3, "rank_window": 2},
                                  "gasv": {"kappa": 1.0, "lambda": 0.5, "k": 3}}.get(name, {}),
                         measure=True)
@@ -84,11 +84,38 @@ def test_measured_tv_over_sampled_drafts(name):
         assert float(v.tv[0, 0]) > 0.005
 
 
+@pytest.mark.parametrize("sampled", ["iid", "wor"])
+@pytest.mark.parametrize("name,options", [("exact", {}), ("greedy", {}), ("lantern", {"k": 3, "delta": 0.3}),
+                                          ("lantern", {"k": 3, "delta": 2.0}),
+                                          ("gasv", {"kappa": 1.0, "lambda": 0.5, "k": 3})])
+def test_measured_tv_over_sampled_trees(name, options, sampled):
+    """Trees whose siblings are drawn from q (3 at the root, i.i.d. or without replacement): the law the walk
+    reports is over the drafts and the verifier's randomness, the same in every row, and matches the empirical
+    law of the first emitted token over 2e5 rows (each with its own draws)."""
+    B = 200_000
+    tree, p, p0, _ = tree_batch(B, sampled)
+    v = get_verifier(name)(ctx_for(p, tree, tiny_calibration(), options=options, measure=True),
+                           torch.Generator().manual_seed(3))
+    tv0 = v.tv[:, 0]
+    assert not torch.isnan(tv0).any() and torch.allclose(tv0, tv0[0].expand_as(tv0), atol=1e-5)
+    emp = empirical_tv(emitted(tree, v, 1)[:, 0], p0)
+    assert abs(emp - float(tv0[0])) < 0.006
+    deeper = v.tv[v.n_accepted >= 1, 1]
+    assert not torch.isnan(deeper).any()  # the node below an accepted child is measured too
+    if name == "exact":
+        assert float(v.tv.nan_to_num(0).abs().max()) < 1e-5
+    else:
+        assert float(tv0[0]) > 0.01
+    if name in ("lantern", "gasv"):  # relaxing toward q only ever raises acceptance
+        ex = get_verifier("exact")(VerifyContext(p, tree), torch.Generator().manual_seed(3))
+        assert v.n_accepted.float().mean() > ex.n_accepted.float().mean() + 0.01
+
+
 def test_gasv_knobs():
     """kappa = 0, lambda huge, k = 0: no mass moves and GASV is `exact` draw for draw; kappa up -> longer
     acceptance and more TV; lambda up -> stricter."""
     B = 50_000
-    tree, p, _, _ = tree_batch(B, sampled=False)
+    tree, p, _, _ = tree_batch(B)
     cal = tiny_calibration()
 
     def run(**o):

@@ -13,7 +13,7 @@ def pair(target):
     return build_drafter(DrafterConfig.for_target(target.config)).eval()
 
 
-@pytest.mark.parametrize("tree", ["dynamic", "static", "chain"])
+@pytest.mark.parametrize("tree", ["dynamic", "static", "chain", "sampled-chain", "sampled-branching"])
 @pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
 def test_greedy_speculative_equals_vanilla_c2i(tree, cfg_scale):
     torch.manual_seed(0)
@@ -22,8 +22,13 @@ def test_greedy_speculative_equals_vanilla_c2i(tree, cfg_scale):
     cond = torch.tensor([0, 3, 7])
     greedy = SamplingConfig(temperature=0.0, cfg_scale=cfg_scale)
     ref, _ = generate(target, cond, greedy)
-    spec = SpecConfig(verifier="greedy", tree=tree, depth=4, top_k_draft=3, total_tokens=10)
-    out, stats = speculative_generate(target, drafter, cond, greedy, spec)
+    if tree == "sampled-chain":  # sampled drafts: greedy accepts the draw equal to the argmax
+        spec = SpecConfig("greedy", "chain", 4, draft="sample", siblings="iid")
+    elif tree == "sampled-branching":
+        spec = SpecConfig("greedy", "dynamic", draft="sample", branching=(3, 2, 1, 1))
+    else:
+        spec = SpecConfig(verifier="greedy", tree=tree, depth=4, top_k_draft=3, total_tokens=10)
+    out, stats = speculative_generate(target, drafter, cond, greedy, spec, torch.Generator().manual_seed(0))
     assert torch.equal(out, ref)
     # drafts were accepted (so the cache compaction ran) and rows advanced by different lengths
     assert stats["tau"] > 1.0 and max(max(r) for r in stats["accept_lengths"]) >= 2
@@ -68,12 +73,13 @@ def test_jacobi_greedy_equals_vanilla(verifier):
     assert torch.equal(out, ref) and sum(stats["accept_lengths"][0]) == 15
 
 
-def target_joint(target, s, V, cls=5):
-    """The exact distribution of 3-token sequences under the target with sampling config s."""
+def target_joint(target, s, V, n=4, cls=5):
+    """The exact distribution of n-token sequences under the target with sampling config s (every prefix
+    enumerated: V**n cells)."""
     from lisa.decoding.generate import guided
     from lisa.decoding.sampling import logits_to_probs
 
-    seqs = torch.cartesian_prod(torch.arange(V), torch.arange(V), torch.arange(V))
+    seqs = torch.cartesian_prod(*[torch.arange(V)] * n)
     with torch.no_grad():
         c = torch.full((len(seqs),), cls)
         drop = torch.cat([torch.zeros(len(seqs), dtype=torch.bool), torch.ones(len(seqs), dtype=torch.bool)])
@@ -83,42 +89,62 @@ def target_joint(target, s, V, cls=5):
 
 
 def assert_follows(out, joint, V):
+    """out (B, n) follows joint (V**n,): nothing outside its support, chi-square p > 1e-3 over the support."""
     from scipy.stats import chisquare
 
-    counts = torch.bincount(out[:, 0] * V * V + out[:, 1] * V + out[:, 2], minlength=V**3).double()
+    n = out.shape[1]
+    cell = (out * V ** torch.arange(n - 1, -1, -1)).sum(1)
+    counts = torch.bincount(cell, minlength=V**n).double()
     keep = joint > 0
-    assert counts[~keep].sum() == 0  # nothing outside top-k is ever emitted
+    assert counts[~keep].sum() == 0  # nothing outside top-k / top-p is ever emitted
     expected = joint[keep] / joint[keep].sum() * counts[keep].sum()
     assert chisquare(counts[keep].numpy(), expected.numpy()).pvalue > 1e-3
+
+
+# End to end over 1e5 sequences of 4 tokens: a round's cache compaction (KVCache.move) is exercised, which a
+# 3-token test does not catch (with compaction a no-op, 3 tokens still pass; 4 fail at TV 0.065).
+N_DRAWS, N_TOKENS = 100_000, 4
+
+
+def joint_target(V=4):
+    """A one-layer micro target: the 1e5-sequence runs below stay within seconds."""
+    torch.manual_seed(1)
+    return micro_gpt(vocab_size=V, dim=32, n_layer=1)
 
 
 def test_sjd_sampling_matches_the_target_joint():
     from lisa.decoding.generate import jacobi_generate
 
-    torch.manual_seed(1)
-    V, B = 4, 30_000
-    target = micro_gpt(vocab_size=V)
+    V = 4
+    target = joint_target(V)
     s = SamplingConfig(temperature=1.0, top_k=3, cfg_scale=2.0)
-    out, stats = jacobi_generate(target, torch.full((B,), 5), s, "sjd", window=3,
-                                 generator=torch.Generator().manual_seed(0), num_tokens=3)
+    out, stats = jacobi_generate(target, torch.full((N_DRAWS,), 5), s, "sjd", window=3,
+                                 generator=torch.Generator().manual_seed(0), num_tokens=N_TOKENS)
     assert stats["tau"] > 1.0
     assert_follows(out, target_joint(target, s, V), V)
 
 
-@pytest.mark.parametrize("tree", ["dynamic", "static"])
-def test_exact_speculative_sampling_matches_the_target_joint(tree):
-    """End to end: 3-token sequences from the loop (tree drafts, exact verification, CFG, top-k) follow the
-    target's joint distribution, computed exactly by enumerating every prefix (chi-square over 4^3 cells)."""
-    torch.manual_seed(1)
-    V, B = 4, 30_000
-    target = micro_gpt(vocab_size=V)
+@pytest.mark.parametrize("spec,sampling", [
+    (SpecConfig("exact", "dynamic", 2, 2, 4), SamplingConfig(temperature=1.0, top_k=3, cfg_scale=2.0)),
+    (SpecConfig("exact", "static", 2, 2, 4), SamplingConfig(temperature=1.0, top_p=0.8, cfg_scale=2.0)),
+    (SpecConfig("exact", "chain", 3, draft="sample", siblings="iid"),
+     SamplingConfig(temperature=1.0, top_k=3, cfg_scale=2.0)),
+    (SpecConfig("exact", "dynamic", draft="sample", siblings="wor", branching=(2, 2)),
+     SamplingConfig(temperature=1.0, top_p=0.8, cfg_scale=2.0)),
+    (SpecConfig("exact", "static", 2, 2, 4, draft="sample", siblings="iid"),
+     SamplingConfig(temperature=0.8, top_k=3, cfg_scale=2.0)),
+], ids=["topk-dynamic", "topk-static-topp", "sampled-iid-chain", "sampled-wor-branching-topp", "sampled-iid-static"])
+def test_exact_speculative_sampling_matches_the_target_joint(spec, sampling):
+    """End to end: 4-token sequences from the loop (top-k or sampled drafts, exact verification, CFG on target and
+    drafter, top-k / top-p) follow the target's joint distribution, computed exactly (chi-square)."""
+    V = 4
+    target = joint_target(V)
     drafter = pair(target)
-    s = SamplingConfig(temperature=1.0, top_k=3, cfg_scale=2.0)
-    cond = torch.full((B,), 5)
-    spec = SpecConfig(verifier="exact", tree=tree, depth=2, top_k_draft=2, total_tokens=4)
-    out, stats = speculative_generate(target, drafter, cond, s, spec, torch.Generator().manual_seed(0), num_tokens=3)
-    assert stats["tau"] > 1.0
-    assert_follows(out, target_joint(target, s, V), V)
+    cond = torch.full((N_DRAWS,), 5)
+    out, stats = speculative_generate(target, drafter, cond, sampling, spec, torch.Generator().manual_seed(0),
+                                      num_tokens=N_TOKENS)
+    assert stats["tau"] > 1.0 and max(max(r) for r in stats["accept_lengths"][:100]) >= 2
+    assert_follows(out, target_joint(target, sampling, V), V)
 
 
 def test_sample_stage_takes_a_method(tmp_path):
@@ -173,7 +199,9 @@ def test_forced_grammar_tokens_every_method():
         ref, _ = generate(target, cond, sampling, gen, forced=forced)
         outs = [ref]
         for spec in (SpecConfig("exact", "dynamic", 3, 2, 6), SpecConfig("greedy", "chain", 3),
-                     SpecConfig("lantern", "dynamic", 3, 2, 6)):
+                     SpecConfig("lantern", "dynamic", 3, 2, 6), SpecConfig("exact", "chain", 3, draft="sample"),
+                     SpecConfig("greedy", "dynamic", draft="sample", branching=(2, 2, 1)),
+                     SpecConfig("lantern", "static", 3, 2, 6, draft="sample", siblings="iid")):
             if spec.verifier == "greedy" and not sampling.greedy:
                 continue
             out, _ = speculative_generate(target, drafter, cond, sampling, spec, gen, forced=forced,

@@ -125,3 +125,57 @@ def test_static_choices_and_tree():
     assert torch.allclose(tree.q[:, 0], root.exp()) and (tree.scores[:, 2] < tree.scores[:, 0]).all()
     with pytest.raises(ValueError, match="prefix-closed"):
         static_tree(root, expand, [(0,), (1, 0)])
+
+
+def test_sampled_tree_shape_and_draws():
+    """Sampled trees: the shape is the branching's, tokens come from the given generator (reproducible, never
+    the global RNG), draws without replacement give distinct siblings, scores are cumulative log q."""
+    from lisa.decoding.tree import branching_choices, sampled_tree
+
+    assert len(branching_choices((3, 2, 1, 1))) == 3 + 6 + 6 + 6
+    assert branching_choices((1, 1, 1)) == [(0,), (0, 0), (0, 0, 0)]
+    with pytest.raises(ValueError, match="branching"):
+        branching_choices((2, 0))
+    V, B = 12, 64
+    root = torch.randn(B, V, generator=torch.Generator().manual_seed(0)).log_softmax(-1)
+    Q = torch.randn(V, V, generator=torch.Generator().manual_seed(1)).log_softmax(-1)
+
+    def expand(tree, pick):  # each picked node's children come from Q[its token]
+        return Q[tree.tokens.gather(1, pick)]
+
+    ch = branching_choices((3, 2))
+    for scheme in ("iid", "wor"):
+        a = sampled_tree(root, expand, ch, scheme, torch.Generator().manual_seed(5))
+        torch.manual_seed(123)
+        b = sampled_tree(root, expand, ch, scheme, torch.Generator().manual_seed(5))
+        assert torch.equal(a.tokens, b.tokens) and a.sampled == scheme
+        assert a.parents[0].tolist() == [-1, -1, -1, 0, 0, 1, 1, 2, 2] and a.depth[0].tolist() == [1] * 3 + [2] * 6
+        assert torch.allclose(a.q[:, 0], root.exp())
+        assert torch.allclose(a.q[:, 1:4], Q[a.tokens[:, :3]].exp())  # each node's distribution, for its children
+        first = root.gather(1, a.tokens[:, :3])
+        assert torch.allclose(a.scores[:, :3], first)
+        assert torch.allclose(a.scores[:, 3], first[:, 0] + Q[a.tokens[:, 0], a.tokens[:, 3]])
+        if scheme == "wor":
+            assert all(len(set(r)) == 3 for r in a.tokens[:, :3].tolist())
+    with pytest.raises(ValueError, match="sibling-closed"):
+        sampled_tree(root, expand, [(0,), (2,)], "iid", None)
+
+
+@pytest.mark.parametrize("scheme", ["iid", "wor"])
+def test_draw_siblings_laws(scheme):
+    """The first sibling ~ q; the second ~ q (iid) or q without the first (wor): checked on 2e5 draws."""
+    from scipy.stats import chisquare
+
+    from lisa.decoding.tree import draw_siblings
+
+    q = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    B = 200_000
+    d = draw_siblings(q.expand(B, 4), q.log().expand(B, 4), 2, scheme, torch.Generator().manual_seed(0))
+    qd = q.double() / q.double().sum()
+    assert chisquare(torch.bincount(d[:, 0], minlength=4).double().numpy(), (qd * B).numpy()).pvalue > 1e-3
+    rows = d[:, 0] == 0
+    second = torch.bincount(d[rows, 1], minlength=4).double()
+    want = qd if scheme == "iid" else torch.tensor([0.0, 0.6, 0.3, 0.1], dtype=torch.float64)
+    keep = want > 0
+    assert second[~keep].sum() == 0
+    assert chisquare(second[keep].numpy(), (want[keep] / want[keep].sum() * second.sum()).numpy()).pvalue > 1e-3

@@ -28,9 +28,10 @@ def emitted(tree: Tree, verdict, n: int) -> torch.Tensor:
     return out
 
 
-def tree_batch(B, sampled: bool, seed=0):
+def tree_batch(B, sampled=None, seed=0):
     """Root with 3 children; the first child has 2 children. Target p: p0 at the root, P2[token] at a child of
-    the root, P3[token] at a grandchild. Drafter q: q0 at the root, Q2[token] below."""
+    the root, P3[token] at a grandchild. Drafter q: q0 at the root, Q2[token] below. sampled: None (top-k
+    siblings), "iid" or "wor" (drawn from q, without replacement in draw order)."""
     g = torch.Generator().manual_seed(seed)
     p0 = torch.rand(V, generator=g).softmax(-1)
     P2 = (2 * torch.rand(V, V, generator=g)).softmax(-1)
@@ -39,16 +40,16 @@ def tree_batch(B, sampled: bool, seed=0):
     Q2 = (2 * torch.rand(V, V, generator=g)).softmax(-1)
     parents = torch.tensor([-1, -1, -1, 0, 0]).expand(B, 5)
     depth = torch.tensor([1, 1, 1, 2, 2]).expand(B, 5)
-    if sampled:  # i.i.d. draws from q
-        c = torch.multinomial(q0, 3 * B, replacement=True, generator=g).view(B, 3)
-        gc = torch.multinomial(Q2[c[:, 0]], 2, replacement=True, generator=g)
+    if sampled:  # draws from q
+        c = torch.multinomial(q0.expand(B, V), 3, replacement=sampled == "iid", generator=g)
+        gc = torch.multinomial(Q2[c[:, 0]], 2, replacement=sampled == "iid", generator=g)
     else:  # deterministic: top-3 of q0, top-2 of Q2 (the same in every row)
         c = q0.topk(3).indices.expand(B, 3)
         gc = Q2[c[:, 0]].topk(2, dim=-1).indices
     tokens = torch.cat([c, gc], 1)
     p = torch.stack([p0.expand(B, V), P2[c[:, 0]], P2[c[:, 1]], P2[c[:, 2]], P3[gc[:, 0]], P3[gc[:, 1]]], 1)
     q = torch.stack([q0.expand(B, V), Q2[c[:, 0]], Q2[c[:, 1]], Q2[c[:, 2]], Q2[gc[:, 0]], Q2[gc[:, 1]]], 1)
-    return Tree(tokens, parents.clone(), depth.clone(), torch.zeros(B, 5), q), p, p0, P2
+    return Tree(tokens, parents.clone(), depth.clone(), torch.zeros(B, 5), q, sampled or None), p, p0, P2
 
 
 def test_children_table():
@@ -57,11 +58,11 @@ def test_children_table():
     assert children_table(t)[0].tolist() == [[0, 1], [2, 3], [4, -1], [-1, -1], [-1, -1], [-1, -1]]
 
 
-@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize("sampled", [None, "iid", "wor"])
 def test_exact_keeps_the_target_distribution(sampled):
     B = 200_000
     tree, p, p0, P2 = tree_batch(B, sampled)
-    verdict = get_verifier("exact")(VerifyContext(p, tree, sampled_siblings=sampled), torch.Generator().manual_seed(1))
+    verdict = get_verifier("exact")(VerifyContext(p, tree), torch.Generator().manual_seed(1))
     out = emitted(tree, verdict, 2)
     # the first emitted token ~ p0
     counts = torch.bincount(out[:, 0], minlength=V).double()
@@ -81,8 +82,9 @@ def test_exact_keeps_the_target_distribution(sampled):
 def test_exact_detects_a_wrong_rule():
     """The test has power: accepting by min(1, p/q) on deterministic siblings (EAGLE's shortcut) is biased."""
     B = 200_000
-    tree, p, p0, _ = tree_batch(B, sampled=False)
-    verdict = get_verifier("exact")(VerifyContext(p, tree, sampled_siblings=True), torch.Generator().manual_seed(1))
+    tree, p, p0, _ = tree_batch(B)
+    tree.sampled = "iid"  # top-k siblings verified as if they had been drawn from q
+    verdict = get_verifier("exact")(VerifyContext(p, tree), torch.Generator().manual_seed(1))
     counts = torch.bincount(emitted(tree, verdict, 1)[:, 0], minlength=V).double()
     assert chi2_p(counts, p0) < 1e-6
 
@@ -114,7 +116,7 @@ def test_lantern_relaxes_towards_neighbours():
     from lisa.decoding.verify import Geometry
 
     B = 100_000
-    tree, p, p0, _ = tree_batch(B, sampled=False)
+    tree, p, p0, _ = tree_batch(B)
     codebook = torch.randn(V, 4, generator=torch.Generator().manual_seed(5))
     geo = Geometry.from_codebook(codebook, k=V - 1)
     g = lambda: torch.Generator().manual_seed(2)  # noqa: E731
@@ -133,7 +135,7 @@ def test_unknown_option_is_an_error_naming_it(name):
     allowed = sorted(option_keys(VERIFIERS[name].options))
     with pytest.raises(ValueError, match=rf"verifier '{name}': unknown options \['kk'\]; allowed: .*{'.*'.join(allowed)}"):
         verifier_options(name, {"kk": 1.0})
-    tree, p, _, _ = tree_batch(4, sampled=False)
+    tree, p, _, _ = tree_batch(4)
     with pytest.raises(ValueError, match="unknown options"):
         get_verifier(name)(VerifyContext(p, tree, logits=p.log(), geometry=Geometry.from_codebook(torch.randn(V, 3), 4),
                                          options={"kk": 1.0}), torch.Generator())
@@ -148,3 +150,36 @@ def test_option_defaults_and_types():
     assert isinstance(o.k, int)
     with pytest.raises(ValueError, match="'k' must be an integer"):
         verifier_options("lantern", {"k": 2.5})
+
+
+def test_verifiers_refuse_drafts_they_have_no_law_for():
+    """sjd / gsd assume drafts sampled from tree.q: a top-k tree is refused (it used to be verified as if
+    sampled: with p = [.5, .5, 0, 0], q = [.9, .1, 0, 0] and one deterministic child 1, token 1 came out with
+    probability 1). Sampled drafts without q are refused by every verifier; gsd refuses siblings."""
+    from lisa.decoding.generate import SpecConfig
+
+    p = torch.tensor([[[0.5, 0.5, 0, 0], [0.25] * 4]])
+    q = torch.tensor([[[0.9, 0.1, 0, 0], [0.25] * 4]])
+    det = chain(torch.tensor([[1]]), q=q)
+    geo = Geometry.from_codebook(torch.randn(4, 3), k=2)
+    for name in ("sjd", "gsd"):
+        with pytest.raises(ValueError, match="deterministic"):
+            get_verifier(name)(VerifyContext(p, det, geometry=geo), torch.Generator())
+    for name in ("exact", "greedy", "sjd"):
+        with pytest.raises(ValueError, match="tree.q"):
+            get_verifier(name)(VerifyContext(p, chain(torch.tensor([[1]]), sampled="iid")), torch.Generator())
+    tree, pt, _, _ = tree_batch(4, "iid")
+    with pytest.raises(ValueError, match="chains"):
+        get_verifier("gsd")(VerifyContext(pt, tree, geometry=Geometry.from_codebook(torch.randn(V, 3), k=2)),
+                            torch.Generator())
+    with pytest.raises(ValueError, match="Jacobi"):
+        SpecConfig("sjd")
+    with pytest.raises(ValueError, match="shape fixed"):
+        SpecConfig("exact", "dynamic", draft="sample")
+    with pytest.raises(ValueError, match="branching"):
+        SpecConfig("exact", "dynamic", branching=(2, 1))
+    with pytest.raises(ValueError, match="draft must be"):
+        SpecConfig("exact", "chain", draft="beam")
+    s = SpecConfig("exact", "dynamic", draft="sample", branching=(3, 2, 1, 1))
+    assert s.nodes == s.drafted_pairs == 21 and "sampled (wor)" in s.describe()
+    assert SpecConfig("exact", "chain", depth=5, draft="sample", siblings="iid").nodes == 5

@@ -20,7 +20,7 @@ from lisa.models.gpt import GPTOutput, Transformer
 from lisa.decoding import verify
 from lisa.decoding.grammar import Grammar
 from lisa.decoding.sampling import SamplingConfig, cfg_logits, logits_to_probs, sample, sample_from
-from lisa.decoding.tree import chain, dynamic_tree, static_choices, static_tree
+from lisa.decoding.tree import branching_choices, chain, dynamic_tree, sampled_tree, static_choices, static_tree
 
 
 def prefix_embeddings(model: Transformer, cond: Tensor, use_cfg: bool) -> Tensor:
@@ -176,16 +176,43 @@ class SpecConfig:
     depth: int = 4  # draft levels
     top_k_draft: int = 4  # children per expanded node, nodes expanded per level (dynamic)
     total_tokens: int = 16  # draft nodes kept after reranking (dynamic)
+    draft: str = "topk"  # "topk": siblings are the drafter's top-k | "sample": drawn from its q (lisa.decoding.tree)
+    siblings: str = "wor"  # sampled siblings: "wor" (without replacement) | "iid"
+    branching: tuple[int, ...] = ()  # sampled trees: children per node at each level, e.g. (3, 2, 1, 1)
 
     def __post_init__(self):
         if self.tree not in ("dynamic", "static", "chain"):
             raise ValueError(f"SpecConfig.tree must be 'dynamic', 'static' or 'chain', got {self.tree!r}")
         if min(self.depth, self.top_k_draft, self.total_tokens) < 1:
             raise ValueError(f"SpecConfig: depth, top_k_draft and total_tokens must be >= 1, got {self}")
+        if self.draft not in ("topk", "sample") or self.siblings not in ("iid", "wor"):
+            raise ValueError(f"SpecConfig: draft must be 'topk' or 'sample' and siblings 'iid' or 'wor', got "
+                             f"{self.draft!r}, {self.siblings!r}")
+        if self.draft == "sample" and self.tree == "dynamic" and not self.branching:
+            raise ValueError("sampled drafts need a shape fixed before drawing (a value-dependent rerank would bias "
+                             "the draws): tree 'chain', 'static' (a node budget) or a `branching` list, not 'dynamic'")
+        if self.branching and self.draft != "sample":
+            raise ValueError("`branching` shapes sampled trees (draft: sample); top-k trees use depth / top_k_draft / "
+                             "total_tokens")
+        if verify.is_jacobi(self.verifier):
+            raise ValueError(f"{self.verifier} runs drafter-free on Jacobi windows (jacobi_generate), not on a "
+                             f"drafter's trees")
+
+    def choices(self) -> Optional[list[tuple[int, ...]]]:
+        """A sampled tree's shape as sibling-index paths (lisa.decoding.tree.sampled_tree); None for top-k trees."""
+        if self.draft != "sample":
+            return None
+        if self.branching:
+            return branching_choices(self.branching)
+        if self.tree == "chain":
+            return branching_choices((1,) * self.depth)
+        return static_choices(self.depth, self.top_k_draft, self.total_tokens)
 
     @property
     def nodes(self) -> int:
         """Draft nodes verified per round."""
+        if self.draft == "sample":
+            return len(self.choices())
         if self.tree == "static":
             return len(static_choices(self.depth, self.top_k_draft, self.total_tokens))
         return self.depth if self.tree == "chain" else self.total_tokens
@@ -193,7 +220,20 @@ class SpecConfig:
     @property
     def drafted_pairs(self) -> int:
         """Drafter pairs one round writes after the committed ones."""
+        if self.draft == "sample":
+            return self.nodes
         return {"dynamic": self.depth * self.top_k_draft, "static": self.nodes, "chain": self.depth}[self.tree]
+
+    def describe(self) -> str:
+        """The tree in a few words (reports)."""
+        if self.draft == "sample":
+            shape = (f"branching {list(self.branching)}" if self.branching else
+                     f"chain, depth {self.depth}" if self.tree == "chain" else
+                     f"static, depth {self.depth}, {self.nodes} nodes")
+            return f"sampled ({self.siblings}) {shape}"
+        if self.tree == "chain":
+            return f"chain, depth {self.depth}"
+        return f"{self.tree}, depth {self.depth}, top-{self.top_k_draft}, {self.nodes} nodes"
 
 
 def _dup(x: Tensor, use_cfg: bool) -> Tensor:
@@ -295,7 +335,7 @@ def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: S
     while em.unfinished():
         live, n = em.live(), em.n
         base = (b.C + n - 1).clamp(max=target.cache_length - spec.nodes - 2)  # root slot; finished rows idle at the end
-        tree = draft(drafter, b, root, n, spec, sampling)
+        tree = draft(drafter, b, root, n, spec, sampling, generator)
         out = tree_forward(target, em.last(), tree, base, b.key_mask, b.use_cfg, taps)  # root + tree, tree mask
         em.forwards += 1
         g_logits, p = target_probs(out.logits, sampling)  # (B, N + 1, V)
@@ -369,20 +409,45 @@ def tree_forward(target: Transformer, root: Tensor, tree, base: Tensor, key_mask
     return target(x, _dup(slots, use_cfg), mask=mask, rope_pos=_dup(rope, use_cfg), taps=taps)
 
 
-def draft(drafter, b: Batch, root: tuple[Tensor, Tensor], n: Tensor, spec: SpecConfig, sampling: SamplingConfig):
+def draft(drafter, b: Batch, root: tuple[Tensor, Tensor], n: Tensor, spec: SpecConfig, sampling: SamplingConfig,
+          generator: Optional[torch.Generator] = None):
     """One round's draft tree (lisa.decoding.tree.Tree) from the drafter's root (logits (GB, V), hidden
-    (GB, 1, H)) for rows that have emitted n (B,) tokens."""
+    (GB, 1, H)) for rows that have emitted n (B,) tokens. Top-k trees rank the raw guided drafter; sampled ones
+    draw from the drafter's guided logits processed like the target's (temperature, top-k, top-p), the q that
+    verification divides by, with the round's generator."""
     logits, hidden = root
-    logp = guided(logits, sampling).log_softmax(-1)  # (B, V): scores use the raw guided drafter
-    logp = b.grammar.log_probs(logp[:, None], n[:, None])[:, 0]
+    dist = _draft_dist(sampling, b.grammar, spec.draft)
+    logp = dist(logits[:, None], n[:, None])[:, 0]
+    if spec.draft == "sample":
+        return _draft_tree(drafter, b, logp, hidden, n, spec, sampling, dist, generator)
     if spec.tree == "chain":
         return _draft_chain(drafter, b, logp, hidden, n, spec.depth, sampling)
-    return _draft_tree(drafter, b, logp, hidden, n, spec, sampling)
+    return _draft_tree(drafter, b, logp, hidden, n, spec, sampling, dist)
 
 
-def _draft_tree(drafter, b: Batch, root_logp, root_hidden, n, spec: SpecConfig, sampling):
-    """EAGLE-2/3 dynamic tree (or a static one): expansions are drafter pairs written after the committed ones
-    (slots n, n + 1, ... in expansion order) that see the committed pairs and their own ancestors' pairs."""
+def _draft_dist(sampling: SamplingConfig, grammar: Grammar, policy: str) -> Callable[[Tensor, Tensor], Tensor]:
+    """(drafter logits (GB, S, V), positions (B, S)) -> the drafter's log-distribution (B, S, V) with the grammar
+    applied. topk: the raw guided drafter (what trees rank). sample: the guided logits processed like the target's
+    (temperature, top-k, top-p), the q that sampled drafts are drawn from and verification divides by; where that
+    filter leaves only ids the grammar bars, the full guided drafter instead (any q is exact, if it is the one
+    drawn from)."""
+    def ranked(logits, pos):
+        return grammar.log_probs(guided(logits, sampling).log_softmax(-1), pos)
+
+    def sampled(logits, pos):
+        g = guided(logits, sampling)
+        logq = grammar.log_probs(logits_to_probs(g, sampling.temperature, sampling.top_k, sampling.top_p).log(), pos)
+        empty = torch.isinf(logq.amax(-1, keepdim=True))
+        return torch.where(empty, grammar.log_probs(g.log_softmax(-1), pos), logq).log_softmax(-1)
+
+    return sampled if policy == "sample" else ranked
+
+
+def _draft_tree(drafter, b: Batch, root_logp, root_hidden, n, spec: SpecConfig, sampling, dist,
+                generator: Optional[torch.Generator] = None):
+    """EAGLE-2/3 dynamic tree, a static one, or a sampled one: expansions are drafter pairs written after the
+    committed ones (slots n, n + 1, ... in expansion order) that see the committed pairs and their own ancestors'
+    pairs. dist: _draft_dist (ranked, or sampled from)."""
     B = root_logp.shape[0]
     dev = root_logp.device
     Ld = drafter.cache_length
@@ -414,8 +479,10 @@ def _draft_tree(drafter, b: Batch, root_logp, root_hidden, n, spec: SpecConfig, 
                       rope_pos=b.dup(rope))
         hid_of.scatter_(1, b.dup(pick)[..., None].expand(-1, -1, hid_of.shape[-1]), out.hidden)
         state.update(used=state["used"] + k, slot_of=slot_of, hid_of=hid_of)
-        return b.grammar.log_probs(guided(out.logits, sampling).log_softmax(-1), n[:, None] + depth)
+        return dist(out.logits, n[:, None] + depth)
 
+    if spec.draft == "sample":
+        return sampled_tree(root_logp, expand, spec.choices(), spec.siblings, generator)
     if spec.tree == "static":
         return static_tree(root_logp, expand, static_choices(spec.depth, spec.top_k_draft, spec.total_tokens))
     return dynamic_tree(root_logp, expand, spec.depth, spec.top_k_draft, spec.total_tokens)
@@ -467,13 +534,13 @@ def jacobi_generate(target: Transformer, cond: Tensor, sampling: SamplingConfig,
     while em.unfinished():
         live, n = em.live(), em.n
         base = (b.C + n - 1).clamp(max=target.cache_length - L - 2)
-        tree = chain(drafts, q=torch.cat([q, q[:, -1:]], 1))
+        tree = chain(drafts, q=torch.cat([q, q[:, -1:]], 1), sampled="iid")
         out = tree_forward(target, em.last(), tree, base, b.key_mask, b.use_cfg)
         em.forwards += 1
         g_logits, p = target_probs(out.logits, sampling)  # (B, L + 1, V): row i = distribution of draft i's position
         p = b.grammar.probs(p, n[:, None] + torch.arange(L + 1, device=p.device))
-        v = fn(verify.VerifyContext(p, tree, logits=g_logits, sampled_siblings=True, geometry=geometry,
-                                    options=options, measure=measure), generator)
+        v = fn(verify.VerifyContext(p, tree, logits=g_logits, geometry=geometry, options=options, measure=measure),
+               generator)
         m = v.n_accepted  # (B,) accepted drafts: already at their sequence slots (a chain)
         em.commit(emitted_tokens(drafts, m, v.next_token), m, live, v.tv)
         q = jacobi_window(p, m)

@@ -11,12 +11,15 @@ before its children), which every function here relies on.
   scores  (B, N) float  cumulative draft log-probability of the path root -> node
   q       (B, N + 1, V) optional: the drafter's distribution at the root (row 0) and at each node (row i + 1),
                         the distribution each node's children were drafted from (what `exact` verification needs)
+  sampled None: siblings chosen deterministically (the drafter's top-k); "iid": each node's children drawn
+          independently from q; "wor": drawn from q without replacement, in draw order (sibling i from q with
+          siblings 0 .. i-1 removed). Verifiers read it to pick their rule (lisa.decoding.verify).
 """
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Literal, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -29,6 +32,7 @@ class Tree:
     depth: Tensor
     scores: Tensor
     q: Optional[Tensor] = None
+    sampled: Optional[Literal["iid", "wor"]] = None
 
     @property
     def size(self) -> int:
@@ -68,12 +72,13 @@ class Tree:
         return out
 
 
-def chain(tokens: Tensor, scores: Optional[Tensor] = None, q: Optional[Tensor] = None) -> Tree:
+def chain(tokens: Tensor, scores: Optional[Tensor] = None, q: Optional[Tensor] = None,
+          sampled: Optional[Literal["iid", "wor"]] = None) -> Tree:
     """A plain chain of drafts (B, N): node i's parent is i - 1."""
     B, N = tokens.shape
     ar = torch.arange(N, device=tokens.device)
     return Tree(tokens, (ar - 1).expand(B, N).clone(), (ar + 1).expand(B, N).clone(),
-                scores if scores is not None else torch.zeros(B, N, device=tokens.device), q)
+                scores if scores is not None else torch.zeros(B, N, device=tokens.device), q, sampled)
 
 
 def dynamic_tree(root_logprobs: Tensor, expand: Callable[[Tree, Tensor], Tensor], depth: int, top_k: int,
@@ -185,4 +190,78 @@ def select(tree: Tree, keep: Tensor) -> Tree:
         rows = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=keep.device), keep + 1], 1)
         q = tree.q.gather(1, rows[..., None].expand(-1, -1, tree.q.shape[-1]))
     return Tree(tree.tokens.gather(1, keep), new_index.gather(1, old_parent + 1), tree.depth.gather(1, keep),
-                tree.scores.gather(1, keep), q)
+                tree.scores.gather(1, keep), q, tree.sampled)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sampled trees: siblings drawn from the drafter's q. The shape (how many children each node gets) is fixed before
+# any token is drawn, so that each node's children are a plain i.i.d. or without-replacement draw from its q: a
+# shape that depended on the drawn values (EAGLE-2's reranking) would bias the draw and break exact verification.
+
+
+def branching_choices(branching: Sequence[int]) -> list[tuple[int, ...]]:
+    """Sibling-index paths of a tree where every node at level l gets branching[l] children, e.g. (3, 2, 1, 1):
+    3 + 6 + 6 + 6 nodes. (1,) * d is a chain of depth d."""
+    if not branching or min(branching) < 1:
+        raise ValueError(f"branching must be a non-empty list of counts >= 1, got {list(branching)}")
+    level, out = [()], []
+    for b in branching:
+        level = [p + (i,) for p in level for i in range(b)]
+        out += level
+    return out
+
+
+def draw_siblings(q: Tensor, logq: Tensor, c: int, scheme: Literal["iid", "wor"],
+                  generator: Optional[torch.Generator]) -> Tensor:
+    """c children per row of q (..., V) -> (..., c) token ids in draw order. iid: c independent draws (the
+    exponential race); wor: without replacement, in sequential draw order (the race's c best = Gumbel-top-c,
+    Plackett-Luce). Rows whose support has fewer than c tokens get arbitrary ids past it (q = 0 there); the
+    verifier skips a sibling whose remaining q is empty."""
+    if scheme == "iid":
+        e = torch.empty(*q.shape[:-1], c, q.shape[-1], device=q.device).exponential_(1.0, generator=generator)
+        return torch.argmax(q[..., None, :] / e, dim=-1)
+    e = torch.empty_like(q).exponential_(1.0, generator=generator)
+    return (logq - e.log()).topk(c, dim=-1).indices
+
+
+def sampled_tree(root_logq: Tensor, expand: Callable[[Tree, Tensor], Tensor], choices: list[tuple[int, ...]],
+                 scheme: Literal["iid", "wor"], generator: Optional[torch.Generator]) -> Tree:
+    """A tree whose siblings are drawn from the drafter: root_logq (B, V) the log of the distribution the root's
+    children are drawn from; `expand(tree, nodes)` as in dynamic_tree returns the log-distribution (B, k, V) the
+    picked nodes' children are drawn from. choices: sibling-index paths (branching_choices, static_choices, or a
+    chain (0,), (0, 0), ...): node (2, 0) is the first child drawn for the third child drawn at the root. Prefix-
+    and sibling-closed (a node (.., i) needs (.., i - 1)). scores: cumulative log q; q: every node's distribution."""
+    paths = sorted({tuple(int(r) for r in p) for p in choices}, key=lambda p: (len(p), p))
+    index = {p: i for i, p in enumerate(paths)}
+    bad = [p for p in paths if (len(p) > 1 and p[:-1] not in index) or (p[-1] > 0 and p[:-1] + (p[-1] - 1,) not in index)]
+    if not paths or bad or min(min(p) for p in paths) < 0:
+        raise ValueError(f"sampled tree choices must be non-empty, non-negative, prefix- and sibling-closed; "
+                         f"offending {bad[:3]}")
+    B, V = root_logq.shape
+    dev = root_logq.device
+    N = len(paths)
+    tokens = torch.zeros(B, N, dtype=torch.long, device=dev)
+    scores = torch.zeros(B, N, device=dev)
+    parents = torch.tensor([index[p[:-1]] if len(p) > 1 else -1 for p in paths], device=dev).expand(B, N).clone()
+    depths = torch.tensor([len(p) for p in paths], device=dev).expand(B, N).clone()
+    q = torch.zeros(B, N + 1, V, device=dev)
+    q[:, 0] = root_logq.exp()
+    for level in range(1, max(len(p) for p in paths) + 1):
+        nodes = [p for p in paths if len(p) == level]
+        parent_paths = sorted({p[:-1] for p in nodes}, key=lambda p: index.get(p, -1))
+        if level == 1:
+            logq = root_logq[:, None]  # (B, 1, V)
+        else:
+            pick = torch.tensor([index[p] for p in parent_paths], device=dev).expand(B, -1)
+            built = index[nodes[0]]  # nodes of the earlier levels: a prefix of the arrays
+            logq = expand(Tree(tokens[:, :built], parents[:, :built], depths[:, :built], scores[:, :built]), pick)
+            q.scatter_(1, (pick + 1)[..., None].expand(-1, -1, V), logq.exp())
+        c = max(p[-1] for p in nodes) + 1
+        drawn = draw_siblings(logq.exp(), logq, c, scheme, generator)  # (B, parents, c)
+        lq = logq.gather(2, drawn)
+        for j, pp in enumerate(parent_paths):
+            for p in (x for x in nodes if x[:-1] == pp):
+                i = index[p]
+                tokens[:, i] = drawn[:, j, p[-1]]
+                scores[:, i] = lq[:, j, p[-1]] + (scores[:, index[pp]] if level > 1 else 0.0)
+    return Tree(tokens, parents, depths, scores, q, scheme)

@@ -4,22 +4,30 @@
 
 `VerifyContext` carries what any verifier may need: the target's processed probabilities p at the root and at
 every node (after CFG, temperature, top-k / top-p: the distribution vanilla sampling draws from), its raw guided
-logits (entropy, margin: GASV's uncertainty), the tree with the drafter's distributions q, whether siblings
-were chosen deterministically (top-k trees) or sampled, and `geometry` (codebook, neighbour table, calibration)
-for the geometry-aware verifiers. Everything is batched: each row walks its own tree and accepts its own length.
+logits (entropy, margin: GASV's uncertainty), the tree with the drafter's distributions q and how its siblings were
+drafted (`tree.sampled`: None for the drafter's top-k, "iid" or "wor" for draws from q), and `geometry` (codebook,
+neighbour table, calibration) for the geometry-aware verifiers. Everything is batched: each row walks its own tree
+and accepts its own length.
 
-The walk (all verifiers): start at the root with the residual r = p(root). Try the current node's children in
-order; a verifier decides acceptance and how r changes on rejection. An accepted child becomes the current node
-(r = p(child)); when no child is accepted (or there are none) the row emits one token sampled from r: the
-correction after a rejection, or the bonus token after a leaf. Acceptance length tau counts both.
+The walk (all verifiers): start at the root. Try the current node's children in order; a verifier decides
+acceptance and how the residual r changes on rejection. An accepted child becomes the current node; when no child
+is accepted (or there are none) the row emits one token sampled from r: the correction after a rejection, or the
+bonus token after a leaf. Acceptance length tau counts both. Two walks, by how the siblings were drafted:
 
-`exact` is lossless:
-  * deterministic siblings (top-k trees): accept child x with probability r(x) (r normalised); on rejection set
-    r(x) = 0 and renormalise. The emitted token is then distributed exactly as p: P(x_i) = prod_{j<i} (1 -
-    r_j(x_j)) * r_i(x_i) = p(x_i), and what is left is p conditioned on not any x_j.
-  * sampled siblings (i.i.d. from q, SpecInfer): accept x with probability min(1, r(x) / q(x)); on rejection
-    r = norm(max(r - q, 0)) (recursive rejection sampling).
+  * deterministic siblings (top-k trees, `walk`): r = p at the node; `exact` accepts child x with probability r(x)
+    (r normalised) and on rejection sets r(x) = 0 and renormalises. The emitted token is then distributed exactly
+    as p: P(x_i) = prod_{j<i} (1 - r_j(x_j)) * r_i(x_i) = p(x_i), and what is left is p conditioned on not any x_j.
+    Relaxed verifiers change the acceptance probability and the residual per draft (LANTERN's boosted mass, GASV's
+    soft target).
+  * sampled siblings (`walk_sampled`): the verifier fixes one target p~ per node (p for `exact`, a relaxation of p
+    toward q for the relaxed ones: `transport`) and the walk runs recursive rejection sampling of p~: child x_i,
+    drawn from q_i (q for i.i.d. siblings; q without the earlier siblings for draws without replacement), is
+    accepted with probability min(1, r_i(x_i) / q_i(x_i)), r_1 = p~, and on rejection r_{i+1} = norm(max(r_i -
+    q_i, 0)). The emitted token is distributed exactly as p~ for either scheme (SpecInfer; Jeon et al.'s recursive
+    rejection without replacement), so a relaxed verifier's TV to p is TV(p~, p) at each node.
 `greedy` accepts the child equal to argmax p and emits argmax p: speculative greedy = vanilla greedy.
+A verifier refuses drafts it has no law for: sjd / gsd need sampled drafts (Jacobi windows), and the tree
+verifiers check `tree.q` where they need it.
 
 Each verifier registers with a frozen dataclass of its knobs (LanternOptions, GSDOptions, GASVOptions; NoOptions
 for greedy / exact / sjd), the only place their defaults live; `verifier_options(name, dict)` checks a mapping of
@@ -43,7 +51,6 @@ class VerifyContext:
     p: Tensor  # (B, N + 1, V) target probabilities at the root (row 0) and each node (row i + 1)
     tree: Tree
     logits: Optional[Tensor] = None  # (B, N + 1, V) raw guided target logits (uncertainty measures)
-    sampled_siblings: bool = False  # True: siblings drawn i.i.d. from q (SpecInfer); False: top-k (deterministic)
     geometry: Any = None  # codebook / neighbour table / calibration, for relaxed verifiers
     options: Any = None  # the verifier's typed options (verifier_options), a dict of them, or None = defaults
     measure: bool = False  # also compute the law of each emitted token and its TV distance to p (Verdict.tv)
@@ -79,7 +86,8 @@ MarginalFn = Callable[[Tensor, Tensor, Tensor, "VerifyContext"], tuple[Tensor, T
 
 def walk(ctx: VerifyContext, generator: torch.Generator, accept_fn: AcceptFn, emit_fn: Optional[EmitFn] = None,
          marginal_fn: Optional[MarginalFn] = None) -> Verdict:
-    """The shared tree walk, vectorised over the batch.
+    """The walk with a per-draft acceptance rule, vectorised over the batch: deterministic siblings (top-k trees),
+    and gsd's sampled chains.
 
     accept_fn(r, tok, q_parent, row, ctx) -> (acceptance probability of child tok (B,), the residual after its
     rejection (B, V)); a child is accepted when a fresh uniform u < that probability. emit_fn(r, row, ctx) -> the
@@ -87,9 +95,9 @@ def walk(ctx: VerifyContext, generator: torch.Generator, accept_fn: AcceptFn, em
     normalised). With ctx.measure, the walk also computes, at every node it stands on, the law of the token
     emitted next (over the verifier's randomness, drafts fixed): sum_j [prod_{i<j} (1 - a_i)] a_j delta(x_j)
     + prod_j (1 - a_j) emit(r_final), and its total-variation distance to the target's p at that node
-    (Verdict.tv). Siblings drawn from q (Jacobi chains: one child per node) need `marginal_fn(r, q, row, ctx) ->
-    (acceptance probability of every token (B, V), the residual after a rejection (B, V))` to take the law over
-    the draft too: q * a + (1 - sum q * a) * emit(residual); without it the TV is NaN there."""
+    (Verdict.tv). On a sampled chain (gsd) the law is also over the draft: `marginal_fn(r, q, row, ctx) ->
+    (acceptance probability of every token (B, V), the residual after a rejection (B, V))` gives q * a + (1 -
+    sum q * a) * emit(residual). Sampled trees under a fixed-target rule take `walk_sampled`."""
     p, tree = ctx.p, ctx.tree
     B = p.shape[0]
     kids = children_table(tree)
@@ -126,21 +134,15 @@ def walk(ctx: VerifyContext, generator: torch.Generator, accept_fn: AcceptFn, em
             r = torch.where(exists[:, None], r_rejected, r)  # rows that accepted leave r behind: unused
             path[acc, level] = child[acc]  # a child of a node at depth `level` has depth level + 1 <= depth
             moved |= acc
+        if law is not None and tree.sampled:  # one child drawn from q (walk's callers check)
+            a_all, res = marginal_fn(r_node, tree.q[ar, row], row, ctx)
+            qa = tree.q[ar, row] * a_all
+            law_q = qa + (1 - qa.sum(-1, keepdim=True)).clamp(min=0) * emit(res, row, ctx)
+            law = torch.where((kids[ar, row, 0] >= 0)[:, None], law_q, emit(r_node, row, ctx))
+        elif law is not None:
+            law = law + stay[:, None] * emit(r, row, ctx)
         if law is not None:
-            here = ~done
-            target = p[ar, row]
-            if ctx.sampled_siblings:
-                has_kid = kids[ar, row, 0] >= 0
-                if kids.shape[-1] == 1 and marginal_fn is not None and tree.q is not None:
-                    a_all, res = marginal_fn(r_node, tree.q[ar, row], row, ctx)
-                    qa = tree.q[ar, row] * a_all
-                    law_q = qa + (1 - qa.sum(-1, keepdim=True)).clamp(min=0) * emit(res, row, ctx)
-                    law = torch.where(has_kid[:, None], law_q, emit(r_node, row, ctx))
-                else:
-                    law = torch.where(has_kid[:, None], float("nan"), emit(r_node, row, ctx))
-            else:
-                law = law + stay[:, None] * emit(r, row, ctx)
-            tv[:, level] = torch.where(here, 0.5 * (law - target).abs().sum(-1), tv[:, level])
+            tv[:, level] = torch.where(~done, 0.5 * (law - p[ar, row]).abs().sum(-1), tv[:, level])
         n_acc += moved.long()
         done |= ~moved
         if done.all():
@@ -150,6 +152,118 @@ def walk(ctx: VerifyContext, generator: torch.Generator, accept_fn: AcceptFn, em
     if tv is not None:  # only the nodes the walk stood on: levels 0 .. n_accepted
         tv = torch.where(torch.arange(depth + 1, device=dev)[None] <= n_acc[:, None], tv, float("nan"))
     return Verdict(path, n_acc, sample_residual(emit(r, row, ctx), generator), tv)
+
+
+RelaxFn = Callable[[Tensor, Tensor, Tensor, "VerifyContext"], Tensor]
+
+
+def walk_sampled(ctx: VerifyContext, generator: torch.Generator, relax_fn: Optional[RelaxFn] = None,
+                 emit_fn: Optional[EmitFn] = None) -> Verdict:
+    """The walk over siblings drawn from the drafter's q (tree.sampled "iid" or "wor"), vectorised over the batch.
+
+    relax_fn(p, q, row, ctx) -> p~ (B, V): the target the node's token is drawn from (default: p, `exact`); it may
+    depend on the node's p and q, never on the drawn children. The children are tried in draw order by recursive
+    rejection sampling of p~ (module docstring); a child whose remaining q_i is empty (a draw without replacement
+    past q's support) is skipped. emit_fn(r, row, ctx): the distribution the correction / bonus token comes from
+    (default r normalised; greedy: its argmax). With ctx.measure, the law of the token emitted at each node the
+    walk stands on, over the drafts and the verifier's randomness, and its TV to p (Verdict.tv): for i.i.d.
+    siblings computed by the recursion law_i = q a_i + (1 - sum q a_i) law_{i+1} (the residuals do not depend on
+    the drawn tokens there), for siblings drawn without replacement p~ itself (the recursive rejection theorem)."""
+    p, tree = ctx.p, ctx.tree
+    if tree.q is None:
+        raise ValueError("verifying sampled drafts needs the distributions they were drawn from (tree.q)")
+    B, V = p.shape[0], p.shape[-1]
+    kids = children_table(tree)
+    depth = int(tree.depth.max()) if tree.size else 0
+    dev = p.device
+    ar = torch.arange(B, device=dev)
+    relax = relax_fn or (lambda p_node, q, row, ctx: p_node)
+    emit = emit_fn or (lambda r, row, ctx: _normalise(r))
+    row = torch.zeros(B, dtype=torch.long, device=dev)
+    r = relax(p[:, 0], tree.q[:, 0], row, ctx)
+    path = torch.full((B, max(depth, 1)), -1, dtype=torch.long, device=dev)
+    n_acc = torch.zeros(B, dtype=torch.long, device=dev)
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    tv = torch.full((B, depth + 1), float("nan"), device=dev) if ctx.measure else None
+    for level in range(depth + 1):
+        moved = torch.zeros(B, dtype=torch.bool, device=dev)
+        r_node, q_node = r, tree.q[ar, row]
+        qi = q_node
+        for s in range(kids.shape[-1]):
+            child = kids[ar, row, s]  # (B,)
+            exists = (child >= 0) & ~done & (qi.sum(-1) > 1e-12)
+            if not exists.any():
+                continue
+            active = exists & ~moved
+            tok = tree.tokens[ar, child.clamp(min=0)]
+            u = torch.rand(B, generator=generator, device=dev)
+            rn = _normalise(r)
+            prob = ratio(rn.gather(1, tok[:, None]).squeeze(1), qi.gather(1, tok[:, None]).squeeze(1))
+            rest = _normalise((rn - qi).clamp(min=0))
+            rest = torch.where(rest.sum(-1, keepdim=True) > 0, rest, rn)  # r == q: nothing is ever rejected
+            acc = (u < prob) & active
+            r = torch.where((exists & ~acc)[:, None], rest, r)  # rows that accepted leave r behind: unused
+            if tree.sampled == "wor":
+                qi = torch.where(exists[:, None], _normalise(qi.scatter(1, tok[:, None], 0.0)), qi)
+            path[acc, level] = child[acc]
+            moved |= acc
+        if tv is not None:
+            law = _sampled_law(r_node, q_node, kids[ar, row], tree.sampled, emit, row, ctx)
+            tv[:, level] = torch.where(~done, 0.5 * (law - p[ar, row]).abs().sum(-1), tv[:, level])
+        n_acc += moved.long()
+        done |= ~moved
+        if done.all():
+            break
+        row = torch.where(moved, path[:, level] + 1, row)
+        r = torch.where(moved[:, None], relax(p[ar, row], tree.q[ar, row], row, ctx), r)
+    if tv is not None:
+        tv = torch.where(torch.arange(depth + 1, device=dev)[None] <= n_acc[:, None], tv, float("nan"))
+    return Verdict(path, n_acc, sample_residual(emit(r, row, ctx), generator), tv)
+
+
+def _sampled_law(p_tilde: Tensor, q: Tensor, kids: Tensor, scheme: str, emit: EmitFn, row: Tensor,
+                 ctx: VerifyContext) -> Tensor:
+    """(B, V) law of the token emitted at a node with children kids (B, C) drawn from q (walk_sampled)."""
+    n = (kids >= 0).sum(-1)  # (B,) children of each row's node
+    if scheme == "wor":
+        return torch.where((n > 0)[:, None], _normalise(p_tilde), emit(p_tilde, row, ctx))
+    C = kids.shape[-1]
+    rs = [_normalise(p_tilde)]  # r_1 .. r_{C+1}: the residual after each rejection (q the same for every draw)
+    for _ in range(C):
+        rest = _normalise((rs[-1] - q).clamp(min=0))
+        rs.append(torch.where(rest.sum(-1, keepdim=True) > 0, rest, rs[-1]))
+    law = emit(rs[C], row, ctx)
+    for i in range(C, 0, -1):  # law_i = q a_i + (1 - sum q a_i) law_{i+1}, from law_{n+1} = emit(r_{n+1})
+        law = torch.where((n == i)[:, None], emit(rs[i], row, ctx), law)
+        qa = q * ratio(rs[i - 1], q)
+        law = torch.where((i <= n)[:, None], qa + (1 - qa.sum(-1, keepdim=True)).clamp(min=0) * law, law)
+    return torch.where((n > 0)[:, None], law, emit(p_tilde, row, ctx))
+
+
+def transport(r: Tensor, q: Tensor, table: Tensor, want: Tensor, budget: Optional[float] = None) -> Tensor:
+    """r (B, V) with some of its mass moved toward q along codebook edges; the relaxed target of a verifier on
+    sampled drafts. Every token v inside r's support with a deficit d(v) = q(v) - r(v) > 0 asks for up to
+    min(want(v), d(v)) from the excess e(u) = r(u) - q(u) > 0 of its nearest codes table[v] (V, k), split in
+    proportion to their excess; a code asked for more than its excess gives pro rata; budget caps the total moved
+    mass (scaling every flow). Mass only moves from where r exceeds q to nearby codes where q exceeds r, so each
+    unit moved raises the acceptance of a sampled draft, sum_x min(r~, q), by exactly one unit, and the TV of r~
+    to r is the total moved."""
+    B, V = r.shape
+    if table.shape[1] == 0:
+        return r
+    excess = (r - q).clamp(min=0)
+    want = torch.minimum(want, torch.where(r > 0, (q - r).clamp(min=0), torch.zeros_like(r)))
+    src = excess[:, table]  # (B, V, k): the excess of each code's neighbours
+    avail = src.sum(-1)
+    req = src * (torch.minimum(want, avail) / avail.clamp(min=1e-30))[..., None]
+    idx = table.reshape(1, -1).expand(B, -1)
+    asked = torch.zeros_like(r).scatter_add_(1, idx, req.reshape(B, -1))
+    give = torch.where(asked > excess, excess / asked.clamp(min=1e-30), torch.ones_like(r))
+    flow = req * give[:, table]
+    if budget is not None:
+        total = flow.sum((1, 2))
+        flow = flow * torch.where(total > budget, budget / total.clamp(min=1e-30), torch.ones_like(total))[:, None, None]
+    return r + flow.sum(-1) - torch.zeros_like(r).scatter_add_(1, idx, flow.reshape(B, -1))
 
 
 def sample_residual(r: Tensor, generator: torch.Generator) -> Tensor:
@@ -230,39 +344,37 @@ class NoOptions:
     """greedy, exact, sjd: no knobs."""
 
 
+def _argmax(r: Tensor, row=None, ctx=None) -> Tensor:
+    return torch.nn.functional.one_hot(r.argmax(-1), r.shape[-1]).to(r.dtype)
+
+
 @register("greedy", NoOptions)
 def greedy(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
-    """Accept the child equal to the target's argmax; emit the argmax (ties: lowest id, like torch.argmax)."""
+    """Accept the child equal to the target's argmax; emit the argmax (ties: lowest id, like torch.argmax). On
+    sampled drafts: recursive rejection of the one-hot argmax, which accepts exactly the child equal to it."""
     verifier_options("greedy", ctx.options)
+    if ctx.tree.sampled:
+        return walk_sampled(ctx, generator, lambda p, q, row, ctx: _argmax(p), emit_fn=_argmax)
 
     def accept(r, tok, q_parent, row, ctx):
         return (tok == r.argmax(-1)).float(), r  # r never changes: a rejected child is simply not the argmax
 
-    def argmax(r, row, ctx):
-        return torch.nn.functional.one_hot(r.argmax(-1), r.shape[-1]).to(r.dtype)
-
-    return walk(ctx, generator, accept, emit_fn=argmax)
+    return walk(ctx, generator, accept, emit_fn=_argmax)
 
 
 @register("exact", NoOptions)
 def exact(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
-    """Lossless: the sequential rule for deterministic siblings, recursive rejection sampling for sampled ones."""
+    """Lossless: the sequential rule for deterministic siblings, recursive rejection sampling for sampled ones
+    (i.i.d. or without replacement; `walk_sampled` with p~ = p)."""
     verifier_options("exact", ctx.options)
-    if ctx.sampled_siblings and ctx.tree.q is None:
-        raise ValueError("exact verification of sampled siblings needs the drafter's q (tree.q)")
+    if ctx.tree.sampled:
+        return walk_sampled(ctx, generator)
 
     def accept(r, tok, q_parent, row, ctx):
         r = _normalise(r)
-        r_tok = r.gather(1, tok[:, None]).squeeze(1)
-        if ctx.sampled_siblings:
-            return ratio(r_tok, q_parent.gather(1, tok[:, None]).squeeze(1)), _normalise((r - q_parent).clamp(min=0))
-        return r_tok, _normalise(r.scatter(1, tok[:, None], 0.0))
+        return r.gather(1, tok[:, None]).squeeze(1), _normalise(r.scatter(1, tok[:, None], 0.0))
 
-    def marginal(r, q, row, ctx):  # recursive rejection sampling on one drawn child: the law is r exactly
-        r = _normalise(r)
-        return ratio(r, q), _normalise((r - q).clamp(min=0))
-
-    return walk(ctx, generator, accept, marginal_fn=marginal)
+    return walk(ctx, generator, accept)
 
 
 def ratio(a: Tensor, b: Tensor) -> Tensor:
@@ -333,8 +445,9 @@ class LanternOptions:
 def lantern(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
     """Relaxed acceptance: a draft is accepted with its boosted probability (the mass of the neighbours it may
     stand for, within the budget delta); on rejection it and the neighbours it absorbed leave the residual.
-    Options: LanternOptions. Deterministic siblings: accept if u < boosted mass; sampled siblings: u < boosted /
-    q(x), as LANTERN."""
+    Options: LanternOptions. Sampled drafts: LANTERN's per-draft boost has no tractable law over several siblings,
+    so the same neighbourhood (k) and budget (delta: total moved mass; > 1: each code may gain (delta - 1) times
+    its own mass) move p toward q once per node (`transport`), and the node is verified exactly against that."""
     if ctx.geometry is None:
         raise ValueError("lantern needs the codebook geometry (VerifyContext.geometry = Geometry.from_codebook)")
     o = verifier_options("lantern", ctx.options)
@@ -343,13 +456,20 @@ def lantern(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
     if table.shape[1] < k:
         raise ValueError(f"lantern k={k} but the neighbour table holds {table.shape[1]} neighbours per code")
 
+    if ctx.tree.sampled:  # LANTERN's neighbourhood and budget as a transport of p toward q (docs/method.md)
+        def relax(p_node, q, row, ctx):
+            p_node = _normalise(p_node)
+            want = torch.ones_like(p_node) if delta <= 1 else (delta - 1) * p_node
+            return transport(p_node, q, table[:, :k], want, budget=delta if delta <= 1 else None)
+
+        return walk_sampled(ctx, generator, relax)
+
     def accept(r, tok, q_parent, row, ctx):
         r = _normalise(r)
         boosted, absorbed = lantern_boost(r, tok, table, k, delta)
-        acc = ratio(boosted, q_parent.gather(1, tok[:, None]).squeeze(1)) if ctx.sampled_siblings else boosted.clamp(max=1)
         drop = torch.zeros_like(r, dtype=torch.bool).scatter(1, tok[:, None], True)
         drop.scatter_(1, table[tok, :k], absorbed)
-        return acc, _normalise(r.masked_fill(drop, 0.0))
+        return boosted.clamp(max=1), _normalise(r.masked_fill(drop, 0.0))
 
     return walk(ctx, generator, accept)
 
@@ -364,9 +484,16 @@ def sjd(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
     """Speculative Jacobi decoding: accept draft x if u < min(1, p_t(x) / p_{t-1}(x)); the first rejection
     resamples from norm(max(0, p_t - p_{t-1})) (the recursive rejection rule on a chain)."""
     verifier_options("sjd", ctx.options)
-    if ctx.tree.q is None:
-        raise ValueError("sjd needs the distributions the drafts were sampled from (tree.q)")
-    return exact(VerifyContext(ctx.p, ctx.tree, ctx.logits, True, ctx.geometry, None, ctx.measure), generator)
+    _needs_sampled("sjd", ctx.tree)
+    return walk_sampled(ctx, generator)
+
+
+def _needs_sampled(name: str, tree: Tree) -> None:
+    if not tree.sampled or tree.q is None:
+        raise ValueError(f"{name} verifies drafts sampled from the distributions in tree.q (Jacobi windows, "
+                         f"lisa.decoding.generate.jacobi_generate); this tree's siblings are "
+                         f"{'deterministic (top-k)' if not tree.sampled else 'missing tree.q'}: use exact, "
+                         f"greedy, lantern or gasv on a drafter's trees")
 
 
 def gsd_groups(r: Tensor, tok: Tensor, embeddings: Tensor, rank_window: int, prob_gap: float,
@@ -419,8 +546,11 @@ def gsd(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
     """Grouped speculative decoding on Jacobi drafts: accept x if u < min(1, p(G(x)) / q(G(x))); on rejection
     the SJD residual norm(max(0, p - q)). Options: GSDOptions; the embeddings are the geometry's codebook."""
     o = verifier_options("gsd", ctx.options)
-    if ctx.tree.q is None or ctx.geometry is None or ctx.geometry.codebook is None:
-        raise ValueError("gsd needs tree.q (Jacobi drafts) and the codebook (VerifyContext.geometry)")
+    _needs_sampled("gsd", ctx.tree)
+    if ctx.geometry is None or ctx.geometry.codebook is None:
+        raise ValueError("gsd needs the codebook (VerifyContext.geometry)")
+    if int(children_table(ctx.tree).shape[-1]) > 1:
+        raise ValueError("gsd verifies chains (one draft per position, Jacobi windows), not trees with siblings")
     w, gap, dist = o.rank_window, o.prob_gap, o.dist
     emb = ctx.geometry.codebook
 
@@ -456,6 +586,12 @@ def gsd(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
 #   and bonus tokens are drawn from it. Mass only ever moves between codebook neighbours, by the share g: the
 #   sampled law is p with that transport applied, its TV to p is at most g(v) * r(N_k(v)) per tried child, and
 #   kappa up -> larger g -> longer acceptance, lambda up -> smaller g -> stricter; g = 0 is `exact`.
+#   Sampled drafts (siblings drawn from the drafter's q): a per-draft soft mass has no tractable law over several
+#   siblings, so GASV fixes one soft target per node instead: every code v of the target's support pulls up to
+#   g(v) times its deficit max(q(v) - p(v), 0) from the excess max(p(u) - q(u), 0) of its k nearest codes u
+#   (`transport`), and the node is verified exactly against that target. The same knobs act the same way
+#   (g = 0 is exact), mass still moves only between neighbours, never outside the target's support, and every
+#   unit moved buys one unit of a draft's acceptance sum_x min(p~, q).
 # Options: GASVOptions below.
 
 
@@ -520,16 +656,16 @@ def gasv(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
         rest = r.scatter(1, nn, r.gather(1, nn) - moved).scatter(1, tok[:, None], 0.0)
         return r.gather(1, tok[:, None]).squeeze(1) + moved.sum(-1), rest
 
+    if ctx.tree.sampled:  # the share g(v) of v's deficit to q, pulled from its k nearest codes (docs/method.md)
+        def relax(p_node, q, row, ctx):
+            p_node = _normalise(p_node)
+            return transport(p_node, q, table, g_all[ar, row] * (q - p_node).clamp(min=0))
+
+        return walk_sampled(ctx, generator, relax)
+
     def accept(r, tok, q_parent, row, ctx):
         r = _normalise(r)
         p_tok, rest = soft(r, tok, row)
-        if ctx.sampled_siblings:
-            return ratio(p_tok, q_parent.gather(1, tok[:, None]).squeeze(1)), _normalise((r - q_parent).clamp(min=0))
         return p_tok.clamp(max=1), _normalise(rest)
 
-    def marginal(r, q, row, ctx):  # sampled siblings: every token's soft mass at once
-        r = _normalise(r)
-        p_soft = r + g_all[ar, row] * r[:, table].sum(-1) if k else r  # r[:, table]: (B, V, k)
-        return ratio(p_soft, q), _normalise((r - q).clamp(min=0))
-
-    return walk(ctx, generator, accept, marginal_fn=marginal)
+    return walk(ctx, generator, accept)
