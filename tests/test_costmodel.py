@@ -110,3 +110,44 @@ def test_predicted_acceptance_matches_exact_sampling_in_distribution():
         pred, actual = prof.accepted(depth, n), small[0]["m"].float()
         se = ((pred.var() + actual.var()) / B).sqrt()
         assert actual.mean() > 0.05 and abs(float(pred.mean() - actual.mean())) < 4 * float(se), (depth, n)
+
+
+@pytest.mark.parametrize("siblings", ["wor", "iid"])
+def test_sampled_profile_matches_smaller_sampled_trees_in_distribution(siblings):
+    """Sampled trees (c, 1^(d-1)): the first-round accepted length has the mean the widest tree's trace predicts
+    (the first c draws are a draw of c, the chain's first d - 1 drafts a chain of d - 1)."""
+    torch.manual_seed(2)
+    target = micro_gpt(vocab_size=6)
+    drafter = build_drafter(DrafterConfig.for_target(target.config)).eval()
+    B = 4000
+    cond = torch.full((B,), 3)
+    s = SamplingConfig(temperature=1.0, cfg_scale=2.0)
+    C, D = 3, 3
+    full = []
+    speculative_generate(target, drafter, cond, s, SpecConfig("exact", "dynamic", draft="sample", siblings=siblings,
+                                                              branching=(C,) + (1,) * (D - 1)),
+                         torch.Generator().manual_seed(0), num_tokens=2, trace=full)
+    prof = costmodel.sampled_profile(full[:1], C, D)
+    assert len(prof.rounds) == B
+    for c, d in [(1, 1), (1, 3), (2, 2), (3, 1)]:
+        small = []
+        speculative_generate(target, drafter, cond, s, SpecConfig("exact", "dynamic", draft="sample",
+                                                                  siblings=siblings, branching=(c,) + (1,) * (d - 1)),
+                             torch.Generator().manual_seed(1), num_tokens=2, trace=small)
+        pred, actual = prof.accepted(c, d), small[0]["m"].float()
+        se = ((pred.var() + actual.var()) / B).sqrt()
+        assert actual.mean() > 0.05 and abs(float(pred.mean() - actual.mean())) < 4 * float(se), (c, d)
+
+
+def test_choice_weighs_sampled_against_topk_drafts():
+    """With a sampled profile that accepts more per node, the choice is a sampled tree, and `why` names both."""
+    sizes = [1, 2, 4, 8, 16]
+    steep = _costs({1: 1.0, 2: 1.3, 3: 1.6, 5: 2.2, 9: 3.4, 17: 5.8, 33: 10.6}, 1.1)
+    sampled = costmodel.SampledProfile(width=3, max_depth=4)
+    sampled.rounds = [(0, 4)] * 8 + [(1, 2), (-1, 0)]  # most rounds accept the first draw's whole chain
+    c = costmodel.choose(_profile(), steep, 4, sizes, sampled)
+    assert c.draft == "sample" and c.branching[0] == 1 and len(c.branching) == c.depth
+    assert "sampled tree" in c.why and "best top-k draft" in c.why
+    assert c.speedup == max(g["speedup"] for g in c.grid)
+    only = costmodel.choose(None, steep, 4, sizes, sampled)
+    assert all(g["draft"] == "sample" for g in only.grid)

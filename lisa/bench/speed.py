@@ -6,6 +6,7 @@ then T-1 one-token steps on the same cache) with precomputed tokens and nothing 
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import replace
@@ -121,6 +122,15 @@ class ForwardTimer:
             h.remove()
 
 
+def resolve_auto(m, choice):
+    """Method m (tree "auto") with the cost model's choice of draft policy and tree."""
+    if choice.draft == "sample":
+        return replace(m, tree="dynamic", draft="sample", branching=list(choice.branching), depth=choice.depth,
+                       total_tokens=choice.total_tokens)
+    return replace(m, tree="dynamic", draft="topk", branching=[], depth=choice.depth,
+                   total_tokens=choice.total_tokens)
+
+
 def forward_size(m) -> int:
     """New tokens per row in one target forward of method m (a lisa.config.DecodeMethod): 1 (vanilla), root + tree
     nodes, or last + window."""
@@ -150,12 +160,13 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
     methods = list(methods)
     for i, m in enumerate(methods):
         if m.tree == "auto":
-            key = (m.method, tuple(sorted(m.options.items())), m.top_k_draft, getattr(m, "drafter", "release"))
+            key = (m.method, tuple(sorted(m.options.items())), m.top_k_draft, getattr(m, "drafter", "release"),
+                   m.draft, m.siblings)
             if key not in choices:
                 choices[key] = auto_tree(target, drafter_of(m), conditions[: auto.calib_conditions], m, sampling, seed,
                                          geometry, auto, progress)
             picked[m.name] = choices[key]
-            methods[i] = replace(m, tree="dynamic", depth=choices[key].depth, total_tokens=choices[key].total_tokens)
+            methods[i] = resolve_auto(m, choices[key])
 
     decoders = {m.name: m.decoder(target, drafter_of(m), geometry) for m in methods}
     timers = {"target": ForwardTimer(target, device)}
@@ -185,6 +196,7 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
                         "pass": r - warmup, "condition": ci, "wall_s": wall, "forwards": stats["forwards"],
                         "target_s": timers["target"].seconds,
                         "drafter_s": sum(t.seconds for k, t in timers.items() if k.startswith("drafter")),
+                        "drafter_calls": sum(t.calls for k, t in timers.items() if k.startswith("drafter")),
                         "accept_lengths": stats.get("accept_lengths", [[1] * (T - 1)] * c["cond"].shape[0]),
                         "tokens": tokens})
     finally:
@@ -195,6 +207,20 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
     # bare forwards of each shape, and the VQ decode, timed apart
     sizes = sorted({forward_size(m) for m in methods})
     bare = {s: costmodel.time_target_forward(target, rows, s, target.config.cls_token_num + T // 2) for s in sizes}
+    # the cost-model limit of a round: the bare target forward over root + tree plus bare drafter steps (as many
+    # as the loop made per round, each as wide as the round's drafted pairs spread over them)
+    context = target.config.cls_token_num + T // 2
+    bare_drafter: dict[tuple[int, int], float] = {}
+
+    def drafter_limit(m, calls_per_round: float) -> float:
+        d = drafter_of(m)
+        if d is None or calls_per_round <= 0:
+            return 0.0
+        width = max(1, math.ceil(m.spec().drafted_pairs / calls_per_round))
+        if (id(d), width) not in bare_drafter:
+            bare_drafter[id(d), width] = costmodel.time_drafter_forward(d, rows, width, context)
+        return calls_per_round * bare_drafter[id(d), width]
+
     vq_s = None
     if vq_decode is not None:
         tok = runs[methods[0].name][0]["tokens"]
@@ -215,8 +241,14 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
         loop_per_forward = sum(x["wall_s"] for x in rs) / forwards
         target_per_forward = sum(x["target_s"] for x in rs) / forwards
         s = forward_size(m)
+        calls_per_round = sum(x["drafter_calls"] for x in rs) / forwards if m.drafts_tree else 0.0
+        limit = bare[s] + (drafter_limit(m, calls_per_round) if m.drafts_tree else 0.0)
         report_methods.append({
             "name": m.name, "method": m.method, "tree": m.tree if m.drafts_tree else None,
+            "tree_desc": m.spec().describe() if m.drafts_tree else (f"window {m.window}" if m.method != "vanilla"
+                                                                    else "-"),
+            "draft": m.draft if m.drafts_tree else None, "siblings": m.siblings if m.drafts_tree else None,
+            "branching": list(m.branching) if m.drafts_tree else None,
             "depth": m.depth, "top_k_draft": m.top_k_draft, "total_tokens": m.total_tokens, "window": m.window,
             "options": dict(m.options), "auto": picked[m.name].as_dict() if m.name in picked else None,
             "ms_per_image": 1000 * wall / images,
@@ -228,6 +260,9 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
             "target_ms_per_forward_in_loop": 1000 * target_per_forward,
             "bare_forward_ms": 1000 * bare[s],
             "loop_overhead": loop_per_forward / bare[s] - 1.0,
+            "drafter_calls_per_round": calls_per_round,
+            "limit_ms_per_forward": 1000 * limit,
+            "loop_to_limit": loop_per_forward / limit,
             "target_share": sum(x["target_s"] for x in rs) / sum(x["wall_s"] for x in rs),
             "drafter_share": sum(x["drafter_s"] for x in rs) / sum(x["wall_s"] for x in rs),
             "ms_per_image_all": [1000 * p / images for p in per_pass],
@@ -259,17 +294,22 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
 
 def auto_tree(target: Transformer, drafter, conditions: list[dict], m, sampling: SamplingConfig, seed: int,
               geometry, auto, progress: bool = True):
-    """Resolve tree "auto" for method m: decode `conditions` with vanilla, with the full calibration tree (traced:
-    acceptance) and with a small tree (loop costs), time bare forwards, and pick the (depth, total_tokens) of
-    highest predicted speedup (lisa.decoding.costmodel.choose)."""
+    """Resolve tree "auto" for method m: decode `conditions` with vanilla, with the full top-k calibration tree and
+    the widest sampled tree (traced: acceptance) and with a small tree (loop costs), time bare forwards, and pick
+    the draft policy and tree of highest predicted speedup (lisa.decoding.costmodel.choose). m.draft "sample"
+    restricts the choice to sampled trees."""
     device = next(target.parameters()).device
     rows = (2 if sampling.use_cfg else 1) * conditions[0]["cond"].shape[0]
     k, D = m.top_k_draft, auto.max_depth
     full = k + (D - 1) * k * k  # every node a depth-D dynamic tree drafts
     small = min(s for s in auto.sizes if s >= 2)
-    specs = [(replace(m, tree="dynamic", depth=D, total_tokens=full).spec(), True),
-             (replace(m, tree="dynamic", depth=2, total_tokens=small).spec(), False)]
-    trace, timed, vanilla_steps = [], [], []
+    topk = replace(m, draft="topk", branching=[])
+    widest = replace(m, tree="dynamic", draft="sample", branching=[k] + [1] * (D - 1)).spec()
+    specs = [(widest, "sample"), (replace(topk, tree="dynamic", depth=2, total_tokens=small).spec(), None)]
+    if m.draft != "sample":
+        specs.insert(0, (replace(topk, tree="dynamic", depth=D, total_tokens=full).spec(), "topk"))
+    traces = {"topk": [], "sample": []}
+    timed, vanilla_steps = [], []
     runs = [(r, ci, c) for r in range(2) for ci, c in enumerate(conditions)]  # pass 0 warms up
     for r, ci, c in tqdm(runs, desc=f"auto tree ({m.method})", unit="run", disable=not progress):
         gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + ci)
@@ -290,17 +330,24 @@ def auto_tree(target: Transformer, drafter, conditions: list[dict], m, sampling:
             sync(device)
             if r:
                 timed.append((spec, (time.perf_counter() - t0) / stats["rounds"], stats["tau"]))
-                trace += rounds
-    costs = costmodel.measure_costs(target, drafter, rows, auto.sizes + [full], k,
+                if traced:
+                    traces[traced] += rounds
+    costs = costmodel.measure_costs(target, drafter, rows, auto.sizes + [full, widest.nodes], k,
                                     target.config.cls_token_num + target.config.block_size // 2, auto.reps)
     costs.vanilla_step_s = statistics.median(vanilla_steps)
     # the rest of a round: its wall time less the bare forwards it makes (drafting, verification, bookkeeping,
     # and what a forward costs inside the loop beyond a bare one), linear in the tree size
+
+    def drafting(spec, tau):
+        if spec.draft == "sample":
+            return costs.draft(len(spec.branching), spec.branching[0], chain=spec.branching[0] == 1, commit=tau)
+        return costs.draft(spec.depth, k, commit=tau)
+
     costs.loop_a_s, costs.loop_b_s = costmodel.fit_loop(
-        [(spec.total_tokens, per_round - costs.target(spec.total_tokens + 1) - costs.draft(spec.depth, k, commit=tau))
-         for spec, per_round, tau in timed])
-    profile = costmodel.acceptance_profile(trace, D)
-    return costmodel.choose(profile, costs, k, auto.sizes)
+        [(spec.nodes, per_round - costs.target(spec.nodes + 1) - drafting(spec, tau)) for spec, per_round, tau in timed])
+    profile = costmodel.acceptance_profile(traces["topk"], D) if m.draft != "sample" else None
+    sampled = costmodel.sampled_profile(traces["sample"], k, D)
+    return costmodel.choose(profile, costs, k, auto.sizes, sampled)
 
 
 def speculative_markdown(report: dict, title: str) -> str:
@@ -315,23 +362,17 @@ def speculative_markdown(report: dict, title: str) -> str:
              + (f" and the caption encoding ({report['text_encode_ms_per_prompt']:.1f} ms per prompt)"
                 if report.get("text_encode_ms_per_prompt") else "") + ".", "",
              "| method | verifier | tree | ms / image | speedup | tau | target forwards / image | loop ms / forward "
-             "| bare forward ms (tokens) | loop overhead | in target | in drafter |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| bare forward ms (tokens) | loop overhead | limit ms / forward | loop / limit | in target | in drafter |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in ms:
-        if m["method"] != "vanilla" and verify.is_jacobi(m["method"]):
-            tree = f"window {m['window']}"
-        elif m["tree"] == "chain":
-            tree = f"chain, depth {m['depth']}"
-        elif m["tree"] in ("dynamic", "static"):
-            tree = f"{m['tree']}, depth {m['depth']}, top-{m['top_k_draft']}, {m['forward_tokens'] - 1} nodes"
-        else:
-            tree = "-"
+        tree = m.get("tree_desc") or "-"
         if m["auto"]:
             tree += " (auto)"
         lines.append(f"| {m['name']} | {m['method']} | {tree} | {m['ms_per_image']:.1f} | "
                      f"{m.get('speedup', float('nan')):.2f}x "
                      f"| {m['tau']:.2f} | {m['target_forwards_per_image']:.1f} | {m['loop_ms_per_forward']:.2f} | "
                      f"{m['bare_forward_ms']:.2f} ({m['forward_tokens']}) | {100 * m['loop_overhead']:+.0f}% | "
+                     f"{m.get('limit_ms_per_forward', float('nan')):.2f} | {m.get('loop_to_limit', float('nan')):.2f} | "
                      f"{100 * m['target_share']:.0f}% | {100 * m['drafter_share']:.0f}% |")
     width = max(max(m["accept_hist"]) for m in ms)
     lines += ["", "Acceptance length per round (tokens emitted per target forward, bonus included): share of rounds",
@@ -357,8 +398,8 @@ def speculative_markdown(report: dict, title: str) -> str:
         lines += ["", f"Auto tree for {m['name']}: {a['why']}. Measured: tau {m['tau']:.2f}, "
                       f"{m.get('speedup', float('nan')):.2f}x."]
         top = sorted(a["grid"], key=lambda g: -g["speedup"])[:8]
-        lines += ["", "| depth | total_tokens | predicted tau | round ms | predicted speedup |",
-                  "|---|---|---|---|---|"]
-        lines += [f"| {g['depth']} | {g['total_tokens']} | {g['tau']:.2f} | {g['round_ms']:.2f} | {g['speedup']:.2f}x |"
-                  for g in top]
+        lines += ["", "| draft | depth | total_tokens | branching | predicted tau | round ms | predicted speedup |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {g.get('draft', 'topk')} | {g['depth']} | {g['total_tokens']} | {g.get('branching') or '-'} | "
+                  f"{g['tau']:.2f} | {g['round_ms']:.2f} | {g['speedup']:.2f}x |" for g in top]
     return "\n".join(lines) + "\n"

@@ -72,7 +72,7 @@ def time_drafter_forward(drafter, rows: int, new: int, context: int, reps: int =
     slots = (context + torch.arange(new, device=dev)).expand(rows, new)
     mask = (torch.arange(L, device=dev)[None, None, :] <= slots[:, :, None]).expand(rows, new, L)
     toks = torch.randint(0, drafter.config.vocab_size, (rows, new), device=dev)
-    hidden = torch.randn(rows, new, drafter.config.dim, device=dev)
+    hidden = torch.randn(rows, new, drafter.config.dim, device=dev, dtype=next(drafter.parameters()).dtype)
     rope = slots.clamp(max=drafter.rope.shape[0] - 1)
     return median_time(lambda: drafter(toks, hidden, input_pos=slots, mask=mask, rope_pos=rope), reps, dev)
 
@@ -165,6 +165,37 @@ def acceptance_profile(trace: list[dict], max_depth: int) -> AcceptanceProfile:
     return prof
 
 
+@dataclass
+class SampledProfile:
+    """Sampled drafts of shape (c, 1, 1, ...): c siblings drawn at the root, a chain below each. Recorded from a
+    traced decode with the widest, deepest such shape (C, 1^(D-1)): per (round, live row), the draw index of the
+    accepted root child (-1: none) and the accepted length. The first c of C draws are a draw of c (i.i.d. or
+    without replacement) and the first d - 1 drafts of a chain are a chain of d - 1, tried with the same
+    randomness, so a shape (c, 1^(d-1)) accepts 0 where the root child's index >= c, else min(m, d): exact in
+    distribution."""
+    width: int
+    max_depth: int
+    rounds: list[tuple[int, int]] = field(default_factory=list)  # (root child index or -1, accepted)
+
+    def accepted(self, c: int, depth: int) -> Tensor:
+        return torch.tensor([min(m, depth) if 0 <= i < c else 0 for i, m in self.rounds], dtype=torch.float)
+
+    def tau(self, c: int, depth: int) -> float:
+        return 1.0 + float(self.accepted(c, depth).mean()) if self.rounds else 1.0
+
+
+def sampled_profile(trace: list[dict], width: int, max_depth: int) -> SampledProfile:
+    """From `speculative_generate(..., trace=)` rounds of a sampled tree with branching (width, 1, ..., 1): its
+    root children are nodes 0 .. width - 1, in draw order."""
+    prof = SampledProfile(width, max_depth)
+    for rnd in trace:
+        path, m, live = (rnd[k].cpu() for k in ("path", "m", "live"))
+        for b in torch.nonzero(live).flatten().tolist():
+            mb = int(m[b])
+            prof.rounds.append((int(path[b, 0]) if mb > 0 else -1, mb))
+    return prof
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the choice
 
@@ -177,37 +208,60 @@ class Choice:
     round_ms: float
     speedup: float  # predicted, against vanilla on this device
     why: str
-    grid: list[dict]  # every candidate: depth, total_tokens, tau, round_ms, speedup
+    grid: list[dict]  # every candidate: draft, depth, total_tokens (branching for sampled), tau, round_ms, speedup
     costs: dict
+    draft: str = "topk"  # "sample": a sampled tree of shape `branching`
+    branching: list[int] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-def choose(profile: AcceptanceProfile, costs: Costs, top_k: int, sizes: list[int]) -> Choice:
-    """The (depth, total_tokens) of highest predicted speedup; `why` states the trade-off in one sentence."""
+def choose(profile: Optional[AcceptanceProfile], costs: Costs, top_k: int, sizes: list[int],
+           sampled: Optional[SampledProfile] = None) -> Choice:
+    """The draft policy and tree of highest predicted speedup: top-k dynamic trees (depth, total_tokens) from
+    `profile`, and sampled trees (c, 1^(d-1)) from `sampled`; `why` states the trade-off in one sentence."""
     grid = []
-    for d in range(1, profile.max_depth + 1):
+    for d in range(1, profile.max_depth + 1) if profile is not None else ():
         for n in sorted(set(sizes)):
             if n < d:  # a tree of depth d needs d nodes to reach it
                 continue
             tau = profile.tau(d, n)
             rt = costs.round(d, n, top_k, commit=tau)
-            grid.append({"depth": d, "total_tokens": n, "tau": tau, "round_ms": 1000 * rt,
-                         "speedup": tau * costs.vanilla_step_s / rt})
+            grid.append({"draft": "topk", "depth": d, "total_tokens": n, "branching": [], "tau": tau,
+                         "round_ms": 1000 * rt, "speedup": tau * costs.vanilla_step_s / rt})
+    for c in range(1, sampled.width + 1) if sampled is not None else ():
+        for d in range(1, sampled.max_depth + 1):
+            tau, n = sampled.tau(c, d), c * d
+            rt = costs.round(d, n, c, chain=c == 1, commit=tau)
+            grid.append({"draft": "sample", "depth": d, "total_tokens": n, "branching": [c] + [1] * (d - 1),
+                         "tau": tau, "round_ms": 1000 * rt, "speedup": tau * costs.vanilla_step_s / rt})
+    if not grid:
+        raise ValueError("the cost model needs a traced profile of top-k or of sampled drafts")
+
+    def name(g):
+        return (f"sampled tree {g['branching']}" if g["draft"] == "sample" else
+                f"top-k tree depth {g['depth']}, {g['total_tokens']} nodes")
+
     best = max(grid, key=lambda g: g["speedup"])
     d, n = best["depth"], best["total_tokens"]
-    bigger = [g for g in grid if g["total_tokens"] > n and g["depth"] >= d]
-    nxt = max(bigger, key=lambda g: g["tau"]) if bigger else None
-    why = (f"depth {d}, {n} nodes: tau {best['tau']:.2f} per round of {best['round_ms']:.2f} ms (target forward of "
+    width = best["branching"][0] if best["draft"] == "sample" else top_k
+    why = (f"{name(best)}: tau {best['tau']:.2f} per round of {best['round_ms']:.2f} ms (target forward of "
            f"{n + 1} tokens {1000 * costs.target(n + 1):.2f} ms, "
-           f"drafter {1000 * costs.draft(d, top_k, commit=best['tau']):.2f} ms, "
+           f"drafter {1000 * costs.draft(d, width, chain=width == 1 and best['draft'] == 'sample', commit=best['tau']):.2f} ms, "
            f"loop {1000 * costs.loop(n):.2f} ms) against {1000 * costs.vanilla_step_s:.2f} ms per vanilla token: "
            f"{best['speedup']:.2f}x predicted")
+    bigger = [g for g in grid if g["total_tokens"] > n and g["depth"] >= d]
+    nxt = max(bigger, key=lambda g: g["tau"]) if bigger else None
     if nxt is not None:
-        why += (f"; the bigger tree of highest tau (depth {nxt['depth']}, {nxt['total_tokens']} nodes) would raise "
-                f"tau to {nxt['tau']:.2f} but cost {nxt['round_ms']:.2f} ms per round ({nxt['speedup']:.2f}x)")
-    return Choice(d, n, best["tau"], best["round_ms"], best["speedup"], why, grid, asdict(costs))
+        why += (f"; the bigger tree of highest tau ({name(nxt)}) would raise tau to {nxt['tau']:.2f} but cost "
+                f"{nxt['round_ms']:.2f} ms per round ({nxt['speedup']:.2f}x)")
+    other = [g for g in grid if g["draft"] != best["draft"]]
+    if other:
+        alt = max(other, key=lambda g: g["speedup"])
+        why += f"; the best {'top-k' if alt['draft'] == 'topk' else 'sampled'} draft ({name(alt)}): {alt['speedup']:.2f}x"
+    return Choice(d, n, best["tau"], best["round_ms"], best["speedup"], why, grid, asdict(costs), best["draft"],
+                  best["branching"])
 
 
 def fit_loop(samples: list[tuple[int, float]]) -> tuple[float, float]:

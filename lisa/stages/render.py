@@ -80,7 +80,8 @@ def describe_cell(c) -> str:
     if not c.drafts_tree:
         return f"window {c.window}"
     o = c.verifier_options()
-    tree = f"{c.tree} d{c.depth} top-{c.top_k_draft} {c.total_tokens} nodes"
+    tree = (c.spec().describe() if c.draft == "sample" else
+            f"{c.tree} d{c.depth} top-{c.top_k_draft} {c.total_tokens} nodes")
     if c.method == "lantern":
         tree += f", k {o.k:g}, delta {o.delta:g}"
     if c.method == "gasv":

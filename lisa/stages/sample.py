@@ -14,7 +14,7 @@ from lisa.checkpoint import atomic_write, write_json
 from lisa.config import AutoTreeParams, PremiseParams, SampleParams, WorldParams
 from lisa.data import datasets as data
 from lisa.data.images import save_grid
-from lisa.bench.speed import auto_tree
+from lisa.bench.speed import auto_tree, resolve_auto
 from lisa.decoding.sampling import SamplingConfig
 from lisa.models.llamagen import load_drafter, load_target, load_tokenizer
 from lisa.quality.premise import premise_stats
@@ -98,9 +98,10 @@ def _decoder(model, vq, target_meta: dict, p: SampleParams, drafter_path, calib=
         sampling = SamplingConfig(p.temperature, p.top_k, p.top_p, p.cfg_scale)  # as before: not the world's
         choice = auto_tree(model, drafter, [{"label": "calibration", "cond": calib}], p, sampling, p.seed,
                            geometry, AutoTreeParams(calib_conditions=1))
-        p = dataclasses.replace(p, tree="dynamic", depth=choice.depth, total_tokens=choice.total_tokens)
+        p = resolve_auto(p, choice)
         if auto is not None:
-            auto.update(depth=choice.depth, total_tokens=choice.total_tokens, why=choice.why)
+            auto.update(draft=choice.draft, branching=choice.branching, depth=choice.depth,
+                        total_tokens=choice.total_tokens, why=choice.why)
     return p.decoder(model, drafter, geometry)
 
 
