@@ -59,8 +59,10 @@ def test_sampling_runs_and_is_reproducible():
     assert torch.equal(a, b) and a.shape == (2, 16) and int(a.max()) < 16
 
 
-@pytest.mark.parametrize("verifier", ["sjd", "gsd"])
-def test_jacobi_greedy_equals_vanilla(verifier):
+@pytest.mark.parametrize("verifier,options,window", [
+    ("sjd", {}, 5), ("gsd", {}, 5), ("scd-mc", {}, 5), ("scd-gumbel", {}, 5),
+    ("sjd-pac", {"width": 2, "depth": 3}, 7), ("sjd-pac", {"width": 3, "depth": 2, "continuation": 0}, 5)])
+def test_jacobi_greedy_equals_vanilla(verifier, options, window):
     from lisa.decoding.generate import jacobi_generate
     from lisa.decoding.verify import Geometry
 
@@ -69,8 +71,9 @@ def test_jacobi_greedy_equals_vanilla(verifier):
     cond = torch.tensor([1, 4, 9])
     ref, _ = generate(target, cond, greedy)
     geo = Geometry.from_codebook(torch.randn(8, 4), k=4)
-    out, stats = jacobi_generate(target, cond, greedy, verifier, window=5, geometry=geo)
-    assert torch.equal(out, ref) and sum(stats["accept_lengths"][0]) == 15
+    out, stats = jacobi_generate(target, cond, greedy, verifier, window=window, geometry=geo, options=options)
+    assert torch.equal(out, ref) and all(sum(r) == 15 for r in stats["accept_lengths"])
+    assert stats["tau"] > 1.0 and len({tuple(r) for r in stats["accept_lengths"]}) > 1
 
 
 def target_joint(target, s, V, n=4, cls=5):
@@ -122,6 +125,25 @@ def test_sjd_sampling_matches_the_target_joint():
                                  generator=torch.Generator().manual_seed(0), num_tokens=N_TOKENS)
     assert stats["tau"] > 1.0
     assert_follows(out, target_joint(target, s, V), V)
+
+
+@pytest.mark.parametrize("verifier,options,window,sampling", [
+    ("scd-mc", {}, 3, SamplingConfig(temperature=1.0, top_k=3, cfg_scale=2.0)),
+    ("scd-gumbel", {}, 3, SamplingConfig(temperature=1.0, top_k=3, cfg_scale=2.0)),
+    ("sjd-pac", {"width": 2, "depth": 3}, 6, SamplingConfig(temperature=1.0, top_k=3, top_p=0.9, cfg_scale=2.0)),
+], ids=["scd-maximal", "scd-gumbel", "sjd-pac-tree"])
+def test_coupled_jacobi_sampling_matches_the_target_joint(verifier, options, window, sampling):
+    """SCD (both couplings) and SJD-PAC (a proactive tree: siblings without replacement, then a chain; the
+    continuation's coupled drafts), end to end with CFG and top-k / top-p over 1e5 sequences of 4 tokens: the joint
+    is the target's (chi-square), and drafts are accepted."""
+    from lisa.decoding.generate import jacobi_generate
+
+    V = 4
+    target = joint_target(V)
+    out, stats = jacobi_generate(target, torch.full((N_DRAWS,), 5), sampling, verifier, window=window,
+                                 options=options, generator=torch.Generator().manual_seed(0), num_tokens=N_TOKENS)
+    assert stats["tau"] > 1.5
+    assert_follows(out, target_joint(target, sampling, V), V)
 
 
 @pytest.mark.parametrize("spec,sampling", [
@@ -206,8 +228,9 @@ def test_forced_grammar_tokens_every_method():
             out, _ = speculative_generate(target, drafter, cond, sampling, spec, gen, forced=forced,
                                           geometry=Geometry.from_codebook(torch.randn(8, 4), 4), options={"k": 3} if spec.verifier == "lantern" else {})
             outs.append(out)
-        for v in ("sjd", "gsd"):
-            out, _ = jacobi_generate(target, cond, sampling, v, 4, gen, forced=forced,
+        for v, o, w in (("sjd", {}, 4), ("gsd", {}, 4), ("scd-mc", {}, 4), ("scd-gumbel", {}, 4),
+                        ("sjd-pac", {"width": 2, "depth": 2}, 4)):
+            out, _ = jacobi_generate(target, cond, sampling, v, w, gen, forced=forced, options=o,
                                      geometry=Geometry.from_codebook(torch.randn(8, 4), 4))
             outs.append(out)
         for out in outs:

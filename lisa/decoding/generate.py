@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from lisa.models.gpt import GPTOutput, Transformer
-from lisa.decoding import verify
+from lisa.decoding import jacobi, verify
 from lisa.decoding.grammar import Grammar
 from lisa.decoding.sampling import SamplingConfig, cfg_logits, logits_to_probs, sample, sample_from
 from lisa.decoding.tree import branching_choices, chain, dynamic_tree, sampled_tree, static_choices, static_tree
@@ -519,43 +519,47 @@ def jacobi_generate(target: Transformer, cond: Tensor, sampling: SamplingConfig,
                     window: int = 16, generator: Optional[torch.Generator] = None, num_tokens: Optional[int] = None,
                     cond_mask: Optional[Tensor] = None, geometry=None, options=None,
                     forced: Optional[Tensor] = None, measure: bool = False) -> tuple[Tensor, DecodeStats]:
-    """Drafter-free speculative decoding (SJD; GSD with verifier="gsd"): a window of `window` draft tokens (new
-    positions start uniformly random) is refined by the target itself. Each iteration feeds [last token, drafts]
-    in one forward; drafts are verified against the distributions they were drawn from; the drafts after the
-    first rejection are re-drawn from this iteration's distributions (Jacobi), and the window is refilled.
-    options, forced, measure: as in speculative_generate. Returns (tokens (B, T), DecodeStats)."""
+    """Drafter-free speculative decoding over a window of `window` draft tokens refined by the target itself (new
+    positions start uniformly random): SJD, GSD, SCD (maximal / Gumbel coupling) and SJD-PAC (a proactive tree).
+    Each iteration feeds [last token, window] in one forward; drafts are verified against the distributions they
+    were drawn from; the positions after the accepted ones are re-drafted from this iteration's distributions, as
+    the method says (lisa.decoding.jacobi), and the window is refilled. options, forced, measure: as in
+    speculative_generate. Returns (tokens (B, T), DecodeStats)."""
     b = start(target, cond, sampling, num_tokens, cond_mask, forced, extra_slots=window + 2)
     fn, options = verify.get_verifier(verifier), verify.verifier_options(verifier, options)
+    paths, coupling = jacobi.window_policy(verifier, options, window)
     L, V = window, target.config.vocab_size
     first, _ = prefill(target, b, sampling, generator)
+    layout = jacobi.Layout.of(paths, L, first.device)
     em = Emitted.first(first, b.T, measure)
-    q = torch.full((b.B, L, V), 1.0 / V, device=first.device)  # (B, L, V) what each draft was drawn from
-    drafts = sample_from(q, generator)  # (B, L)
+    Q = torch.full((b.B, L + 1, V), 1.0 / V, device=first.device)  # (B, L + 1, V) each position's cached law
+    old = torch.full((b.B, L + 1), -1, dtype=torch.long, device=first.device)  # no untested drafts yet
+    q_old = Q
+    noise = jacobi.gumbel(Q.shape, generator, Q.device) if coupling == "gumbel" else None
     while em.unfinished():
         live, n = em.live(), em.n
         base = (b.C + n - 1).clamp(max=target.cache_length - L - 2)
-        tree = chain(drafts, q=torch.cat([q, q[:, -1:]], 1), sampled="iid")
+        tree = jacobi.draft_window(layout, Q, old, q_old, coupling, noise, generator)
         out = tree_forward(target, em.last(), tree, base, b.key_mask, b.use_cfg)
         em.forwards += 1
-        g_logits, p = target_probs(out.logits, sampling)  # (B, L + 1, V): row i = distribution of draft i's position
-        p = b.grammar.probs(p, n[:, None] + torch.arange(L + 1, device=p.device))
-        v = fn(verify.VerifyContext(p, tree, logits=g_logits, geometry=geometry, options=options, measure=measure),
-               generator)
-        m = v.n_accepted  # (B,) accepted drafts: already at their sequence slots (a chain)
-        em.commit(emitted_tokens(drafts, m, v.next_token), m, live, v.tv)
-        q = jacobi_window(p, m)
-        drafts = sample_from(q, generator)
+        g_logits, p = target_probs(out.logits, sampling)  # (B, L + 1, V): row i + 1 = the law after node i
+        at = torch.cat([torch.zeros_like(tree.depth[:, :1]), tree.depth], 1)  # (B, L + 1) offset of each row's children
+        p = b.grammar.probs(p, n[:, None] + at)
+        rows_noise = noise.gather(1, at[..., None].expand(-1, -1, V)) if noise is not None else None
+        v = fn(verify.VerifyContext(p, tree, logits=g_logits, geometry=geometry, options=options, measure=measure,
+                                    noise=rows_noise), generator)
+        m = v.n_accepted  # (B,)
+        if layout.is_chain:  # accepted drafts are already at their sequence slots
+            drafted = tree.tokens
+        else:
+            M = int(m.max())  # host sync, once per iteration: the longest acceptance sizes the cache moves
+            move_accepted(target, v.path[:, :M], m, base, b.use_cfg)
+            drafted = tree.tokens.gather(1, v.path[:, :M].clamp(min=0))
+        em.commit(emitted_tokens(drafted, m, v.next_token), m, live, v.tv)
+        Q, old, q_old = jacobi.next_state(layout, tree, p, v.path, m)
+        if noise is not None:
+            noise = jacobi.shift_noise(noise, m + 1, generator)
     return em.result()
-
-
-def jacobi_window(p: Tensor, m: Tensor) -> Tensor:
-    """The next window's draft distributions (B, L, V): positions after the m (B,) accepted drafts and the emitted
-    token keep being refined from this iteration's p (B, L + 1, V); positions beyond it start uniform."""
-    B, L, V = p.shape[0], p.shape[1] - 1, p.shape[2]
-    at = (m + 1)[:, None] + torch.arange(L, device=p.device)  # (B, L) rows of p for the new window
-    fresh = at > L  # (B, L) beyond this iteration's rows
-    return torch.where(fresh[..., None], torch.full((B, L, V), 1.0 / V, device=p.device),
-                       p.gather(1, at.clamp(max=L)[..., None].expand(-1, -1, V)))
 
 
 def decoder(target: Transformer, method: str = "vanilla", drafter=None, spec: Optional[SpecConfig] = None,

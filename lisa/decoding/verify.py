@@ -54,6 +54,8 @@ class VerifyContext:
     geometry: Any = None  # codebook / neighbour table / calibration, for relaxed verifiers
     options: Any = None  # the verifier's typed options (verifier_options), a dict of them, or None = defaults
     measure: bool = False  # also compute the law of each emitted token and its TV distance to p (Verdict.tv)
+    noise: Optional[Tensor] = None  # (B, N + 1, V) scd-gumbel: the Gumbel noise of the position each row's children
+    #                                 sit at (row 0: the root's children), shared with the drafting
 
 
 @dataclass
@@ -341,7 +343,7 @@ def verifier_options(name: str, options: Optional[Mapping[str, float]] = None):
 
 @dataclass(frozen=True)
 class NoOptions:
-    """greedy, exact, sjd: no knobs."""
+    """greedy, exact, sjd, scd-mc, scd-gumbel: no knobs."""
 
 
 def _argmax(r: Tensor, row=None, ctx=None) -> Tensor:
@@ -486,6 +488,63 @@ def sjd(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
     verifier_options("sjd", ctx.options)
     _needs_sampled("sjd", ctx.tree)
     return walk_sampled(ctx, generator)
+
+
+@dataclass(frozen=True)
+class PACOptions:
+    """SJD-PAC's knobs (lisa.decoding.generate.jacobi_generate builds the window from them)."""
+    width: int = 3  # Proactive Drafting: siblings per node on the branching levels (the reference README's 3; paper: 4)
+    depth: int = 3  # levels of the proactive tree, its root (the last emitted token) counted as in the reference:
+    #                 the first depth - 1 draft levels branch, then one chain runs out to the window
+    continuation: bool = True  # Adaptive Continuation: keep the untested drafts through maximal coupling
+
+
+@register("sjd-pac", PACOptions, drafts="jacobi")
+def sjd_pac(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
+    """SJD-PAC (Kang et al., CVPR 2026) verified exactly: the proactive tree's siblings are drawn without replacement
+    from the distribution in tree.q (the cached one of their position), so the walk is recursive rejection
+    sampling level by level, taking the first sibling that passes (walk_sampled)."""
+    verifier_options("sjd-pac", ctx.options)
+    _needs_sampled("sjd-pac", ctx.tree)
+    return walk_sampled(ctx, generator)
+
+
+@register("scd-mc", NoOptions, drafts="jacobi")
+def scd_mc(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
+    """Speculative coupled decoding, maximal coupling (So et al., ICML 2026): verified as SJD; what differs is the
+    re-drafting of the window (lisa.decoding.generate.couple), which keeps a draft whose distribution barely moved."""
+    verifier_options("scd-mc", ctx.options)
+    _needs_sampled("scd-mc", ctx.tree)
+    return walk_sampled(ctx, generator)
+
+
+@register("scd-gumbel", NoOptions, drafts="jacobi")
+def scd_gumbel(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
+    """Speculative coupled decoding, Gumbel coupling: every token of a position, drafted or emitted, is
+    argmax(log dist + g) with one Gumbel noise g per position and code (ctx.noise), shared by every iteration. A
+    draft is accepted iff it equals argmax(log p + g), the token the target itself would emit with that noise, and
+    the correction / bonus token is that argmax: the output is vanilla sampling driven by g, exact by the
+    Gumbel-max theorem (g of a position is independent of everything before it). With measure, the law of each
+    emitted token over g is p itself: TV 0."""
+    verifier_options("scd-gumbel", ctx.options)
+    _needs_sampled("scd-gumbel", ctx.tree)
+    if ctx.noise is None or ctx.noise.shape != ctx.p.shape:
+        raise ValueError("scd-gumbel needs the Gumbel noise of every row (VerifyContext.noise, shaped like p)")
+    B = ctx.p.shape[0]
+    want = (ctx.p.log() + ctx.noise).argmax(-1)  # (B, N + 1): the target's token at each row's children position
+    ar = torch.arange(B, device=ctx.p.device)
+
+    def accept(r, tok, q_parent, row, ctx):
+        return (tok == want[ar, row]).float(), r
+
+    def emit(r, row, ctx):
+        return torch.nn.functional.one_hot(want[ar, row], r.shape[-1]).to(r.dtype)
+
+    v = walk(dataclasses.replace(ctx, measure=False), generator, accept, emit_fn=emit)
+    if ctx.measure:
+        levels = torch.arange(v.path.shape[1] + 1, device=ar.device)[None]
+        v.tv = torch.where(levels <= v.n_accepted[:, None], 0.0, float("nan")).expand(B, -1).clone()
+    return v
 
 
 def _needs_sampled(name: str, tree: Tree) -> None:
