@@ -213,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "--time-budget per shape)")
     s.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     s.add_argument("--compile-budget", type=float, default=None, help="seconds of compilation a shape may take "
-                   "(estimated from a pilot; default 150): compiled mode is skipped, with a note, where it would "
+                   "(predicted from a pilot; default 300): compiled mode is skipped, with a note, where it would "
                    "not fit")
     s.add_argument("--time-budget", type=float, default=None, help="seconds of timed rounds per shape (default 120)")
     s.add_argument("--params", default="params.yaml", help="for worlds without a checkpoint")

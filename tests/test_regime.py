@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from lisa.bench.regime import (RegimeConfig, allowed_speedup, bench_reports, method_rows, regime, regime_markdown,
-                               shape_config)
+from lisa.bench.regime import (RegimeConfig, allowed_speedup, bench_reports, measure_shape, method_rows, regime,
+                               regime_markdown, shape_config)
 from lisa.cli import main
 from lisa.models.gpt import gpt_config
 
@@ -83,3 +83,10 @@ def test_cli(tmp_path):
     assert set(reg["t_ratio"]) == {"1", "3", "5", "9", "17", "33"}
     assert all(v > 0 for v in reg["allowed_speedup"]["toy"].values())
     assert "| toy |" in out.with_suffix(".md").read_text()
+
+
+def test_compiled_skipped_where_it_would_not_fit_the_budget():
+    rc = small(modes=["eager", "compiled"], dtypes=["fp32"], compile_budget_s=1.0)
+    s = measure_shape(gpt_config("GPT-micro", **TINY), rc, compile_s_per_layer=10.0)  # predicted: no compiling
+    assert set(s["regimes"]) == {"fp32/eager"}
+    assert len(s["notes"]) == 1 and "compiled skipped" in s["notes"][0]

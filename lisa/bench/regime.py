@@ -52,7 +52,7 @@ class RegimeConfig:
     warmup: int = 1  # untimed rounds after the first call (compilation happens in the first call)
     time_budget_s: float = 120.0  # per shape: timed rounds are cut to fit it (at least min_repeats)
     min_repeats: int = 3  # the budget never cuts below this (nor above repeats)
-    compile_budget_s: float = 150.0  # per shape: compiled mode is skipped where its graphs would not compile in this
+    compile_budget_s: float = 300.0  # per shape: compiled mode is skipped where its graphs would not compile in this
     threads: int = 0  # torch threads (0: torch's default)
     seed: int = 0
 
@@ -123,19 +123,23 @@ def timed(fn: Callable[[], object], device: torch.device) -> float:
 # one shape
 
 
-def measure_shape(cfg: GPTConfig, rc: RegimeConfig, device=None, log: Callable[[str], None] = lambda s: None) -> dict:
+def measure_shape(cfg: GPTConfig, rc: RegimeConfig, device=None, log: Callable[[str], None] = lambda s: None,
+                  compile_s_per_layer: Optional[float] = None) -> dict:
     """Every (dtype, mode) of one target shape, all calls interleaved: t(N) and q(n) medians (ms), their ratios to
-    t(1), the first call of each (compilation included) and how many timed rounds ran. The compiled graphs are
-    dropped afterwards (torch._dynamo.reset), so that shapes do not share a recompile budget."""
+    t(1), the first call of each (compilation included) and how many timed rounds ran. Compiled mode runs where its
+    graphs fit rc.compile_budget_s: predicted from `compile_s_per_layer` (seconds per graph per target layer,
+    measured on an earlier shape) when given, else from a pilot. The compiled graphs are dropped afterwards
+    (torch._dynamo.reset), so that shapes do not share a recompile budget."""
     graphs = len(rc.dtypes) * max(len(rc.sizes), len(rc.draft_nodes))  # graphs per compiled forward
     try:
         with torch._dynamo.config.patch(recompile_limit=max(8, graphs)), torch.inference_mode():
-            return _measure_shape(cfg, rc, torch.device(device or "cpu"), log)
+            return _measure_shape(cfg, rc, torch.device(device or "cpu"), log, compile_s_per_layer)
     finally:
         torch._dynamo.reset()
 
 
-def _measure_shape(cfg: GPTConfig, rc: RegimeConfig, device: torch.device, log: Callable[[str], None]) -> dict:
+def _measure_shape(cfg: GPTConfig, rc: RegimeConfig, device: torch.device, log: Callable[[str], None],
+                   compile_s_per_layer: Optional[float]) -> dict:
     torch.manual_seed(rc.seed)
     target = Transformer(cfg).eval().to(device)
     drafter = Eagle3Drafter(DrafterConfig.for_target(cfg)).eval().to(device)
@@ -159,28 +163,37 @@ def _measure_shape(cfg: GPTConfig, rc: RegimeConfig, device: torch.device, log: 
 
     first: dict[tuple, float] = {}
     graphs = len(rc.dtypes) * (len(rc.sizes) + len(rc.draft_nodes))
-    # the compile pilot: the first two compiled graphs (the first of a process pays inductor's start-up) decide
-    # whether this shape's compiled mode fits the budget on this machine
-    pilot = [k for k in calls if k[1] == "compiled"][:2]
-    for k in pilot:
-        first[k] = timed(calls[k], device)
-        log(f"  compile pilot {k}: {first[k]:.1f} s")
-    if pilot:
+    # does compiled mode fit the budget on this machine? Predicted from an earlier shape's compile time per layer,
+    # else from a pilot: the first two compiled graphs (the first of a process also pays inductor's start-up)
+    pilot, why = [k for k in calls if k[1] == "compiled"][:2], ""
+    if pilot and compile_s_per_layer is not None:
+        per_graph = compile_s_per_layer * cfg.n_layer
+        if per_graph * graphs > rc.compile_budget_s:
+            why = (f"an earlier shape compiled at {compile_s_per_layer:.1f} s per graph per layer, so its {graphs} "
+                   f"graphs of {cfg.n_layer} layers would take ~{per_graph * graphs:.0f} s")
+    elif pilot:
+        for k in pilot:
+            first[k] = timed(calls[k], device)
+            log(f"  compile pilot {k}: {first[k]:.1f} s")
         estimate = sum(first.values()) + first[pilot[-1]] * (graphs - len(pilot))
+        out["compile_pilot_s"] = {f"{k[0]}/{k[2]}/{k[3]}": first[k] for k in pilot}
         if estimate > rc.compile_budget_s:
-            note = (f"compiled skipped: its graph ({pilot[-1][0]}, N={pilot[-1][3]}) took {first[pilot[-1]]:.0f} s "
-                    f"to compile, so its {graphs} graphs would take ~{estimate:.0f} s > the "
-                    f"{rc.compile_budget_s:.0f} s compile budget per shape on this machine")
-            out["notes"].append(note)
-            out["compile_pilot_s"] = {f"{k[0]}/{k[2]}/{k[3]}": first[k] for k in pilot}
-            log("  " + note)
-            calls = {k: v for k, v in calls.items() if k[1] != "compiled"}
-            first.clear()
+            why = (f"its graph ({pilot[-1][0]}, N={pilot[-1][3]}) took {first[pilot[-1]]:.0f} s to compile, so its "
+                   f"{graphs} graphs would take ~{estimate:.0f} s")
+    if why:
+        note = f"compiled skipped: {why} > the {rc.compile_budget_s:.0f} s compile budget per shape on this machine"
+        out["notes"].append(note)
+        log("  " + note)
+        calls = {k: v for k, v in calls.items() if k[1] != "compiled"}
+        first.clear()
     for k, fn in calls.items():
         if k not in first:
             first[k] = timed(fn, device)
             if k[1] == "compiled":
                 log(f"  first call {k}: {first[k]:.1f} s")
+    compiled = [first[k] for k in first if k[1] == "compiled" and k[2] == "target"]
+    if compiled:  # what the next shape's prediction reads
+        out["compile_s_per_graph_layer"] = statistics.median(compiled) / cfg.n_layer
     for _ in range(rc.warmup):
         for fn in calls.values():
             fn()
@@ -273,15 +286,18 @@ def _read(path: str) -> str:
 
 def regime(rc: RegimeConfig, shapes: dict[str, tuple[GPTConfig, str]], benches: dict[str, dict], device=None,
            log: Callable[[str], None] = lambda s: None) -> dict:
-    """The whole table: each shape measured (measure_shape), then each world's methods priced on each regime."""
+    """The whole table: each shape measured (measure_shape, in the order given: put small shapes first, their
+    compile times predict the big ones'), then each world's methods priced on each regime."""
     if rc.threads:
         torch.set_num_threads(rc.threads)
     report = {"machine": machine(), "config": asdict(rc), "device": str(device or "cpu"), "shapes": {},
               "methods": {w: method_rows(b) for w, b in benches.items()}}
+    per_layer = None  # compile seconds per graph per layer, from the last shape that compiled
     for name, (cfg, source) in shapes.items():
         log(f"{name} ({source})")
         t0 = time.perf_counter()
-        s = measure_shape(cfg, rc, device, log)
+        s = measure_shape(cfg, rc, device, log, per_layer)
+        per_layer = s.get("compile_s_per_graph_layer", per_layer)
         s |= {"source": source, "wall_s": time.perf_counter() - t0,
               "config": {k: getattr(cfg, k) for k in ("dim", "n_layer", "n_head", "vocab_size", "block_size",
                                                      "cls_token_num", "model_type")}}
