@@ -51,7 +51,8 @@ def cmd_regime(a):
 
     rc = RegimeConfig(**{k: v for k, v in dict(shapes=a.shapes, dtypes=a.dtypes, modes=a.modes, repeats=a.repeats,
                                                 threads=a.threads, compile_budget_s=a.compile_budget,
-                                                time_budget_s=a.time_budget).items() if v is not None})
+                                                time_budget_s=a.time_budget, compile_shapes=a.compile_shapes).items()
+                                    if v is not None})
     params = load_params(a.params) if Path(a.params).is_file() else None
     shapes = {s: shape_config(s, Path(a.targets), params) for s in rc.shapes}
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
@@ -209,13 +210,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="world names and GPT presets (default: fashion-c2i emoji-t2i GPT-B GPT-L GPT-XL)")
     s.add_argument("--dtypes", nargs="+", default=None, choices=["fp32", "bf16"])
     s.add_argument("--modes", nargs="+", default=None, choices=["eager", "compiled"])
-    s.add_argument("--repeats", type=int, default=None, help="interleaved timed rounds (default 7; cut to fit "
+    s.add_argument("--repeats", type=int, default=None, help="interleaved timed rounds (default 31; cut to fit "
                    "--time-budget per shape)")
     s.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     s.add_argument("--compile-budget", type=float, default=None, help="seconds of compilation a shape may take "
                    "(predicted from a pilot; default 300): compiled mode is skipped, with a note, where it would "
                    "not fit")
-    s.add_argument("--time-budget", type=float, default=None, help="seconds of timed rounds per shape (default 120)")
+    s.add_argument("--compile-shapes", nargs="+", default=None, help="the shapes that run compiled (default: all, "
+                   "within --compile-budget)")
+    s.add_argument("--time-budget", type=float, default=None, help="seconds of timed rounds per shape (default 45)")
     s.add_argument("--params", default="params.yaml", help="for worlds without a checkpoint")
     s.add_argument("--targets", default="data/target", help="the worlds' targets: <targets>/<world>/model.json")
     s.add_argument("--bench", default="reports/bench", help="bench-spec reports whose methods are priced")

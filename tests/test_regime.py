@@ -90,3 +90,9 @@ def test_compiled_skipped_where_it_would_not_fit_the_budget():
     s = measure_shape(gpt_config("GPT-micro", **TINY), rc, compile_s_per_layer=10.0)  # predicted: no compiling
     assert set(s["regimes"]) == {"fp32/eager"}
     assert len(s["notes"]) == 1 and "compiled skipped" in s["notes"][0]
+
+
+def test_compile_shapes():
+    rc = small(modes=["eager", "compiled"], dtypes=["fp32"], compile_shapes=[])
+    s = regime(rc, {"micro": (gpt_config("GPT-micro", **TINY), "test")}, {})["shapes"]["micro"]
+    assert set(s["regimes"]) == {"fp32/eager"} and "not one of the compile shapes" in s["notes"][0]

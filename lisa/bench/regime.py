@@ -26,7 +26,7 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -48,12 +48,13 @@ class RegimeConfig:
     sizes: list[int] = field(default_factory=lambda: [1, 3, 5, 9, 17, 33])  # N: new tokens per row
     draft_nodes: list[int] = field(default_factory=lambda: [1, 4])  # drafter step widths
     rows: int = 2  # rows per forward: one image with CFG (conditional + unconditional)
-    repeats: int = 7  # interleaved rounds (fewer where a round is slow, see time_budget_s)
+    repeats: int = 31  # interleaved rounds (fewer where a round is slow, see time_budget_s)
     warmup: int = 1  # untimed rounds after the first call (compilation happens in the first call)
-    time_budget_s: float = 120.0  # per shape: timed rounds are cut to fit it (at least min_repeats)
-    min_repeats: int = 3  # the budget never cuts below this (nor above repeats)
+    time_budget_s: float = 45.0  # per shape: timed rounds are cut to fit it (at least min_repeats)
+    min_repeats: int = 5  # the budget never cuts below this (nor above repeats)
     compile_budget_s: float = 300.0  # per shape: compiled mode is skipped where its graphs would not compile in this
     threads: int = 0  # torch threads (0: torch's default)
+    compile_shapes: Optional[list[str]] = None  # the shapes that run compiled (None: all, within the budget)
     seed: int = 0
 
     def __post_init__(self):
@@ -214,12 +215,15 @@ def _measure_shape(cfg: GPTConfig, rc: RegimeConfig, device: torch.device, log: 
                 continue
             med = {k: 1000 * statistics.median(v) for k, v in times.items() if k[:2] == (dt, mode)}
             t1 = med[dt, mode, "target", 1]
+            one = times[dt, mode, "target", 1]
+            # a ratio is the median over rounds of the ratio within a round: calls side by side see the same load
+            ratio = lambda k: statistics.median(a / b for a, b in zip(times[k], one))  # noqa: E731
             out["regimes"][f"{dt}/{mode}"] = {
                 "dtype": dt, "mode": mode, "t1_ms": t1,
                 "t_ms": {n: med[dt, mode, "target", n] for n in rc.sizes},
-                "t_ratio": {n: med[dt, mode, "target", n] / t1 for n in rc.sizes},
+                "t_ratio": {n: ratio((dt, mode, "target", n)) for n in rc.sizes},
                 "q_ms": {n: med[dt, mode, "drafter", n] for n in rc.draft_nodes},
-                "q_ratio": {n: med[dt, mode, "drafter", n] / t1 for n in rc.draft_nodes},
+                "q_ratio": {n: ratio((dt, mode, "drafter", n)) for n in rc.draft_nodes},
                 "first_call_s": {f"{k[2]}/{k[3]}": first[k] for k in first if k[:2] == (dt, mode)},
             }
     return out
@@ -293,10 +297,17 @@ def regime(rc: RegimeConfig, shapes: dict[str, tuple[GPTConfig, str]], benches: 
     report = {"machine": machine(), "config": asdict(rc), "device": str(device or "cpu"), "shapes": {},
               "methods": {w: method_rows(b) for w, b in benches.items()}}
     per_layer = None  # compile seconds per graph per layer, from the last shape that compiled
+    graphs = len(rc.dtypes) * (len(rc.sizes) + len(rc.draft_nodes))
     for name, (cfg, source) in shapes.items():
         log(f"{name} ({source})")
         t0 = time.perf_counter()
-        s = measure_shape(cfg, rc, device, log, per_layer)
+        skip = rc.compile_shapes is not None and name not in rc.compile_shapes and "compiled" in rc.modes
+        src = replace(rc, modes=[m for m in rc.modes if m != "compiled"]) if skip else rc
+        s = measure_shape(cfg, src, device, log, per_layer)
+        if skip:
+            s["notes"].append("compiled not run: not one of the compile shapes" + (
+                f" (an earlier shape compiled at {per_layer:.1f} s per graph per layer: its {graphs} graphs of "
+                f"{cfg.n_layer} layers would take ~{per_layer * cfg.n_layer * graphs:.0f} s)" if per_layer else ""))
         per_layer = s.get("compile_s_per_graph_layer", per_layer)
         s |= {"source": source, "wall_s": time.perf_counter() - t0,
               "config": {k: getattr(cfg, k) for k in ("dim", "n_layer", "n_head", "vocab_size", "block_size",
