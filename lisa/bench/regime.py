@@ -324,17 +324,28 @@ def regime(rc: RegimeConfig, shapes: dict[str, tuple[GPTConfig, str]], benches: 
 # the markdown
 
 
+def _at(d: dict, n: int):
+    """d[n], also for a report read back from JSON (its keys are strings)."""
+    return d[n] if n in d else d[str(n)]
+
+
 def _f(x: float, digits: int = 2) -> str:
     return f"{x:.{digits}f}" if math.isfinite(x) else "-"
+
+
+def _load(avg) -> str:
+    return " / ".join(f"{x:.1f}" for x in avg) if avg else "-"
 
 
 def regime_markdown(r: dict) -> str:
     mc, c = r["machine"], r["config"]
     lines = [f"# Regime table: {mc['cpu']}, {mc['threads']} threads, torch {mc['torch']}"
              f"{', GPU ' + mc['gpu'] if mc.get('gpu') else ''} (device {r['device']})", "",
-             f"CPU bf16 / AMX flags: {', '.join(mc['cpu_bf16']) or 'none'}. Random-weight targets, {c['rows']} rows "
-             "per forward (one image with CFG), a half-full KV cache, explicit tree mask and per-row positions; "
-             "medians of interleaved rounds. t(N): one target forward of N new tokens per row; q(n): one step of an "
+             f"CPU bf16 / AMX flags: {', '.join(mc['cpu_bf16']) or 'none'}. Load average (1, 5, 15 min) before: "
+             f"{_load(mc.get('loadavg'))}, after: {_load(r.get('loadavg_after'))}. Random-weight targets, "
+             f"{c['rows']} rows per forward (one image with CFG), a half-full KV cache, explicit tree mask and per-row "
+             "positions; all calls of a shape interleaved: t(1) is the median over rounds, a ratio the median of the "
+             "ratios within a round. t(N): one target forward of N new tokens per row; q(n): one step of an "
              "EAGLE-3 drafter of the target's width over n nodes per row. Compiled: torch.compile, static shapes, "
              "one graph per N (its compile time is the first call).", "",
              "| shape | params | dtype | mode | t(1) ms | " + " | ".join(f"t({n})/t(1)" for n in c["sizes"][1:]) +
@@ -344,8 +355,8 @@ def regime_markdown(r: dict) -> str:
         for reg in s["regimes"].values():
             compile_s = (sum(reg["first_call_s"].values()) if reg["mode"] == "compiled" else float("nan"))
             lines.append(f"| {name} | {s['target_params'] / 1e6:.1f}M | {reg['dtype']} | {reg['mode']} | "
-                         f"{reg['t1_ms']:.2f} | " + " | ".join(_f(reg["t_ratio"][n]) for n in c["sizes"][1:]) +
-                         " | " + " | ".join(_f(reg["q_ratio"][n]) for n in c["draft_nodes"]) +
+                         f"{reg['t1_ms']:.2f} | " + " | ".join(_f(_at(reg["t_ratio"], n)) for n in c["sizes"][1:]) +
+                         " | " + " | ".join(_f(_at(reg["q_ratio"], n)) for n in c["draft_nodes"]) +
                          f" | {_f(compile_s, 0)} | {s['repeats']} |")
     notes = [f"- {name}: {n}" for name, s in r["shapes"].items() for n in s["notes"]]
     if notes:
