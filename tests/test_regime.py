@@ -50,7 +50,7 @@ def test_regime_structure_and_numbers():
 def test_allowed_speedup_arithmetic():
     rows = {m["name"]: m for m in method_rows(BENCH)}
     assert (rows["chain"]["width"], rows["sampled"]["width"], rows["vanilla"]["width"]) == (1, 3, 1)
-    reg = {"t1_ms": 2.0, "t_ms": {1: 2.0, 5: 3.0, 9: 4.0, 17: 6.0}, "q_ms": {1: 0.5, 4: 1.1}}
+    reg = {"t_ratio": {1: 1.0, 5: 1.5, 9: 2.0, 17: 3.0}, "q_ratio": {1: 0.25, 4: 0.55}}  # t(1) = 2 ms
     assert allowed_speedup(rows["chain"], reg) == pytest.approx(2.0 * 2.0 / (3.0 + 4 * 0.5))
     # N = 10 between 9 and 17, width 3 between 1 and 4: the cost model's linear interpolation
     assert allowed_speedup(rows["sampled"], reg) == pytest.approx(2.5 * 2.0 / (4.25 + 3 * 0.9))

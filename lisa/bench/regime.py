@@ -261,12 +261,12 @@ def method_rows(bench: dict) -> list[dict]:
 
 
 def allowed_speedup(row: dict, regime: dict) -> float:
-    """tau * t(1) / (t(N) + calls * q(width)): the round at its bare forwards, t and q interpolated between the
-    measured sizes by the cost model's rule (lisa.decoding.costmodel.Costs)."""
-    costs = costmodel.Costs(rows=0, target_s={int(n): t for n, t in regime["t_ms"].items()},
-                            drafter_s={int(n): q for n, q in regime["q_ms"].items()})
-    round_ms = costs.target(row["N"]) + row["drafter_calls"] * costs.drafter(row["width"])
-    return row["tau"] * regime["t1_ms"] / round_ms
+    """tau / (t(N) / t(1) + calls * q(width) / t(1)) = tau * t(1) / (t(N) + calls * q(width)): the round at its bare
+    forwards, from the in-round ratios, interpolated between the measured sizes by the cost model's rule
+    (lisa.decoding.costmodel.Costs)."""
+    costs = costmodel.Costs(rows=0, target_s={int(n): x for n, x in regime["t_ratio"].items()},
+                            drafter_s={int(n): x for n, x in regime["q_ratio"].items()})
+    return row["tau"] / (costs.target(row["N"]) + row["drafter_calls"] * costs.drafter(row["width"]))
 
 
 def machine() -> dict:
