@@ -1,6 +1,6 @@
 """`lisa <stage>`: runs a pipeline stage through lisa.stages.run_stage (the Prefect tasks call the same function),
-prints its metrics. dvc.yaml calls these commands; `bench-gpu`, `estimate`, `plan` and `profile` are tools, not
-stages.
+prints its metrics. dvc.yaml calls these commands; `bench-gpu`, `regime`, `estimate`, `plan` and `profile` are
+tools, not stages.
 """
 from __future__ import annotations
 
@@ -40,6 +40,29 @@ def cmd_estimate(a):
     missing = missing_checkpoints(p)
     if missing:
         sys.stdout.write("\nNot found (see docs/real-checkpoints.md):\n" + "".join(f"  {m}\n" for m in missing))
+    return None
+
+
+def cmd_regime(a):
+    from pathlib import Path
+
+    from lisa.bench.regime import RegimeConfig, bench_reports, regime, regime_markdown, shape_config
+    from lisa.checkpoint import atomic_write, write_json
+
+    rc = RegimeConfig(**{k: v for k, v in dict(shapes=a.shapes, dtypes=a.dtypes, modes=a.modes, repeats=a.repeats,
+                                                threads=a.threads, compile_budget_s=a.compile_budget,
+                                                time_budget_s=a.time_budget, compile_shapes=a.compile_shapes).items()
+                                    if v is not None})
+    params = load_params(a.params) if Path(a.params).is_file() else None
+    shapes = {s: shape_config(s, Path(a.targets), params) for s in rc.shapes}
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    r = regime(rc, shapes, bench_reports(Path(a.bench)), device=a.device, log=log)
+    text = regime_markdown(r)
+    print(text)
+    out = Path(a.out or "reports/regime/regime")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json(out.with_suffix(".json"), r)
+    atomic_write(out.with_suffix(".md"), lambda tmp: Path(tmp).write_text(text))
     return None
 
 
@@ -155,8 +178,8 @@ def _add_stages(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lisa", description="LISA: locality-informed speculative decoding for "
-                                     "AR image generation. Each command but bench-gpu, estimate, plan and profile is one "
-                                     "pipeline stage of dvc.yaml, of the same name.")
+                                     "AR image generation. Each command but bench-gpu, regime, estimate, plan and "
+                                     "profile is one pipeline stage of dvc.yaml, of the same name.")
     parser.add_argument("--version", action="version", version=f"lisa {__version__}")
     sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
     _add_stages(sub)
@@ -179,6 +202,29 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--gpu", default="H200", help="H200 | H100 | A100-80G | A100-40G | L40S | RTX4090")
     s.add_argument("--tau", type=float, default=2.5, help="acceptance length assumed for speculative decoding")
     s.set_defaults(fn=cmd_estimate)
+    s = sub.add_parser("regime", help="the regime table: t(N) / t(1) for N = 1..33 and a drafter step at the worlds' "
+                       "and LlamaGen B / L / XL shapes (random weights), fp32 / bf16, eager / compiled, measured side "
+                       "by side on this machine, and the speedup it allows each method of the bench reports "
+                       "-> reports/regime/regime.{json,md} (docs/regime.md)")
+    s.add_argument("--shapes", nargs="+", default=None,
+                   help="world names and GPT presets (default: fashion-c2i emoji-t2i GPT-B GPT-L GPT-XL)")
+    s.add_argument("--dtypes", nargs="+", default=None, choices=["fp32", "bf16"])
+    s.add_argument("--modes", nargs="+", default=None, choices=["eager", "compiled"])
+    s.add_argument("--repeats", type=int, default=None, help="interleaved timed rounds (default 31; cut to fit "
+                   "--time-budget per shape)")
+    s.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    s.add_argument("--compile-budget", type=float, default=None, help="seconds of compilation a shape may take "
+                   "(predicted from a pilot; default 300): compiled mode is skipped, with a note, where it would "
+                   "not fit")
+    s.add_argument("--compile-shapes", nargs="+", default=None, help="the shapes that run compiled (default: all, "
+                   "within --compile-budget)")
+    s.add_argument("--time-budget", type=float, default=None, help="seconds of timed rounds per shape (default 45)")
+    s.add_argument("--params", default="params.yaml", help="for worlds without a checkpoint")
+    s.add_argument("--targets", default="data/target", help="the worlds' targets: <targets>/<world>/model.json")
+    s.add_argument("--bench", default="reports/bench", help="bench-spec reports whose methods are priced")
+    s.add_argument("--device", default=None, help="default: cpu")
+    s.add_argument("--out", default=None, help="report path without suffix (default reports/regime/regime)")
+    s.set_defaults(fn=cmd_regime)
     s = sub.add_parser("plan", help="what `make run` (dvc repro) will do: the stages it runs and why, the committed "
                        "release artifacts it reuses, the expected time (reads `dvc status --json` output)")
     s.add_argument("--status", required=True, help="a file holding the output of `dvc status --json`")
