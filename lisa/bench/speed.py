@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from lisa.decoding import costmodel, verify
 from lisa.decoding.costmodel import sync
-from lisa.decoding.generate import generate, prefix_embeddings, speculative_generate
+from lisa.decoding.generate import Clock, generate, prefix_embeddings, speculative_generate
 from lisa.models.gpt import Transformer
 from lisa.decoding.sampling import SamplingConfig
 
@@ -99,10 +99,11 @@ def markdown_table(rows: list[dict], title: str) -> str:
 
 class ForwardTimer:
     """Wall time and call count of a module's forwards (pre/post hooks; CUDA-synchronised): how much of the
-    decode loop is spent inside the target or the drafter."""
+    decode loop is spent inside the target or the drafter. `first`: the first call's time since the last reset
+    (a decode's prefill)."""
 
     def __init__(self, module: torch.nn.Module, device: torch.device):
-        self.seconds, self.calls, self._t0, self.device = 0.0, 0, 0.0, device
+        self.seconds, self.calls, self.first, self._t0, self.device = 0.0, 0, 0.0, 0.0, device
         self._handles = [module.register_forward_pre_hook(self._pre), module.register_forward_hook(self._post)]
 
     def _pre(self, *_):
@@ -111,11 +112,13 @@ class ForwardTimer:
 
     def _post(self, *_):
         sync(self.device)
-        self.seconds += time.perf_counter() - self._t0
+        dt = time.perf_counter() - self._t0
+        self.seconds += dt
+        self.first = self.first if self.calls else dt
         self.calls += 1
 
     def reset(self):
-        self.seconds, self.calls = 0.0, 0
+        self.seconds, self.calls, self.first = 0.0, 0, 0.0
 
     def remove(self):
         for h in self._handles:
@@ -137,6 +140,60 @@ def forward_size(m) -> int:
     if m.method == "vanilla":
         return 1
     return m.spec().nodes + 1 if m.drafts_tree else m.window + 1
+
+
+def breakdown_pass(target: Transformer, drafters: dict, decoders: dict, methods: list, conditions: list[dict],
+                   sampling: SamplingConfig, seed: int, device, bar=None) -> dict:
+    """One instrumented pass, apart from the timed ones: per method, where its rounds go. Hooks time every target and
+    drafter forward, and a lisa.decoding.generate.Clock the parts of each round; returns per method the totals
+    (wall_s, target_s, drafter_s, drafter_calls, forwards, rounds) and round_s: target forward, drafter forwards,
+    drafting (sampling and tree bookkeeping around the drafter's forwards: the draft and the commit of the
+    accepted pairs), tree forward set-up (masks, positions, embeddings), verification, cache moves and the rest
+    (the prefill's sampling, the commit of the emitted tokens, the loop's exit test)."""
+    timers = {"target": ForwardTimer(target, device)}
+    for i, d in enumerate({id(d): d for d in drafters.values() if d is not None}.values()):
+        timers[f"drafter{i}"] = ForwardTimer(d, device)
+    out = {}
+    try:
+        for m in methods:
+            tot = {"wall_s": 0.0, "target_s": 0.0, "drafter_s": 0.0, "drafter_calls": 0, "forwards": 0, "rounds": 0,
+                   "target_prefill_s": 0.0, "drafter_prefill_s": 0.0, "clock": {p: 0.0 for p in Clock.PARTS}}
+            for ci, c in enumerate(conditions):
+                gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + ci * 7919)
+                for t in timers.values():
+                    t.reset()
+                clock = Clock(device)
+                sync(device)
+                t0 = time.perf_counter()
+                _, stats = decoders[m.name](c["cond"], sampling, gen, cond_mask=c.get("cond_mask"), clock=clock)
+                sync(device)
+                tot["wall_s"] += time.perf_counter() - t0
+                tot["target_s"] += timers["target"].seconds
+                tot["target_prefill_s"] += timers["target"].first
+                tot["drafter_s"] += sum(t.seconds for k, t in timers.items() if k.startswith("drafter"))
+                tot["drafter_prefill_s"] += sum(t.first for k, t in timers.items() if k.startswith("drafter"))
+                tot["drafter_calls"] += sum(t.calls for k, t in timers.items() if k.startswith("drafter"))
+                tot["forwards"] += stats["forwards"]
+                tot["rounds"] += stats.get("rounds", stats["forwards"])
+                for p, v in clock.seconds.items():
+                    tot["clock"][p] += v
+                if bar is not None:
+                    bar.update()
+            k = tot.pop("clock")
+            if m.method == "vanilla":
+                rs = {"target forward": tot["target_s"], "rest": tot["wall_s"] - tot["target_s"]}
+            else:  # the prefill (its target forward and first drafter pair) apart; the rest is what no part holds
+                target_s = tot["target_s"] - tot["target_prefill_s"]
+                drafter_s = tot["drafter_s"] - tot["drafter_prefill_s"]
+                rs = {"prefill": k["prefill"], "target forward": target_s, "drafter forwards": drafter_s,
+                      "drafting": k["draft"] + k["commit"] - drafter_s, "tree forward set-up": k["target"] - target_s,
+                      "verification": k["verify"], "cache moves": k["move"]}
+                rs["rest"] = tot["wall_s"] - sum(rs.values())
+            out[m.name] = tot | {"round_s": rs}
+    finally:
+        for t in timers.values():
+            t.remove()
+    return out
 
 
 def bench_speculative(target: Transformer, drafter, conditions: list[dict], methods: list, sampling: SamplingConfig,
@@ -169,21 +226,16 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
             methods[i] = resolve_auto(m, choices[key])
 
     decoders = {m.name: m.decoder(target, drafter_of(m), geometry) for m in methods}
-    timers = {"target": ForwardTimer(target, device)}
-    for i, d in enumerate({id(d): d for d in drafters.values() if d is not None}.values()):
-        timers[f"drafter{i}"] = ForwardTimer(d, device)
     runs = {m.name: [] for m in methods}  # per (pass >= warmup, condition): time and stats
     images = sum(c["cond"].shape[0] for c in conditions)
-    bar = tqdm(total=(warmup + repeats) * len(conditions) * len(methods), desc="bench speculative", unit="run",
+    bar = tqdm(total=(warmup + repeats + 1) * len(conditions) * len(methods), desc="bench speculative", unit="run",
                disable=not progress)
     try:
-        for r in range(warmup + repeats):
+        for r in range(warmup + repeats):  # timed passes: nothing but the decode in the timed path
             order = methods[r % len(methods):] + methods[: r % len(methods)]
             for ci, c in enumerate(conditions):
                 for m in order:
                     gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + ci * 7919 + r)
-                    for t in timers.values():
-                        t.reset()
                     sync(device)
                     t0 = time.perf_counter()
                     tokens, stats = decoders[m.name](c["cond"], sampling, gen, cond_mask=c.get("cond_mask"))
@@ -194,15 +246,11 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
                         continue
                     runs[m.name].append({
                         "pass": r - warmup, "condition": ci, "wall_s": wall, "forwards": stats["forwards"],
-                        "target_s": timers["target"].seconds,
-                        "drafter_s": sum(t.seconds for k, t in timers.items() if k.startswith("drafter")),
-                        "drafter_calls": sum(t.calls for k, t in timers.items() if k.startswith("drafter")),
                         "accept_lengths": stats.get("accept_lengths", [[1] * (T - 1)] * c["cond"].shape[0]),
                         "tokens": tokens})
+        parts = breakdown_pass(target, drafters, decoders, methods, conditions, sampling, seed, device, bar)
     finally:
         bar.close()
-        for t in timers.values():
-            t.remove()
 
     # bare forwards of each shape, and the VQ decode, timed apart
     sizes = sorted({forward_size(m) for m in methods})
@@ -239,9 +287,10 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
         for a in lengths:
             hist[a] = hist.get(a, 0) + 1
         loop_per_forward = sum(x["wall_s"] for x in rs) / forwards
-        target_per_forward = sum(x["target_s"] for x in rs) / forwards
+        part = parts[m.name]
+        target_per_forward = part["target_s"] / part["forwards"]
         s = forward_size(m)
-        calls_per_round = sum(x["drafter_calls"] for x in rs) / forwards if m.drafts_tree else 0.0
+        calls_per_round = part["drafter_calls"] / part["forwards"] if m.drafts_tree else 0.0
         limit = bare[s] + (drafter_limit(m, calls_per_round) if m.drafts_tree else 0.0)
         report_methods.append({
             "name": m.name, "method": m.method, "tree": m.tree if m.drafts_tree else None,
@@ -263,8 +312,11 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
             "drafter_calls_per_round": calls_per_round,
             "limit_ms_per_forward": 1000 * limit,
             "loop_to_limit": loop_per_forward / limit,
-            "target_share": sum(x["target_s"] for x in rs) / sum(x["wall_s"] for x in rs),
-            "drafter_share": sum(x["drafter_s"] for x in rs) / sum(x["wall_s"] for x in rs),
+            "target_share": part["target_s"] / part["wall_s"],
+            "drafter_share": part["drafter_s"] / part["wall_s"],
+            "round_ms": {k: 1000 * v / max(part["rounds"], 1) for k, v in part["round_s"].items()},
+            "round_ms_total": 1000 * part["wall_s"] / max(part["rounds"], 1),
+            "bare_round_ms": 1000 * limit,
             "ms_per_image_all": [1000 * p / images for p in per_pass],
             # same seed, same condition: the share of images identical to vanilla's (1 under greedy decoding for
             # every lossless method; at temperature 1 the random streams differ, so only the distribution matches)
@@ -374,6 +426,18 @@ def speculative_markdown(report: dict, title: str) -> str:
                      f"{m['bare_forward_ms']:.2f} ({m['forward_tokens']}) | {100 * m['loop_overhead']:+.0f}% | "
                      f"{m.get('limit_ms_per_forward', float('nan')):.2f} | {m.get('loop_to_limit', float('nan')):.2f} | "
                      f"{100 * m['target_share']:.0f}% | {100 * m['drafter_share']:.0f}% |")
+    parts = list(dict.fromkeys(p for m in ms for p in m.get("round_ms", {})))
+    if parts:
+        lines += ["", "Per round, where the time goes (one instrumented pass apart from the timed ones: hooks on every "
+                      "forward, a clock between the loop's parts; ms per round, the prefill's share included; bare "
+                      "round: the bare forwards a round makes, timed alone)", "",
+                  "| method | " + " | ".join(parts) + " | round | bare round | round / bare |",
+                  "|---|" + "---|" * (len(parts) + 3)]
+        for m in ms:
+            r = m.get("round_ms", {})
+            lines.append(f"| {m['name']} | " + " | ".join(f"{r[p]:.2f}" if p in r else "-" for p in parts)
+                         + f" | {m['round_ms_total']:.2f} | {m['bare_round_ms']:.2f} | "
+                           f"{m['round_ms_total'] / m['bare_round_ms']:.2f} |")
     width = max(max(m["accept_hist"]) for m in ms)
     lines += ["", "Acceptance length per round (tokens emitted per target forward, bonus included): share of rounds",
               "", "| method | " + " | ".join(str(i) for i in range(1, width + 1)) + " |",

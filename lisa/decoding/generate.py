@@ -4,12 +4,15 @@ with an EAGLE-3 drafter (draft a tree, verify it in one target forward, keep wha
 
 CFG runs the conditional and unconditional rows in one batch (conditional first) sharing one KV cache; guidance is
 applied to the logits before temperature / top-k / top-p (lisa.decoding.sampling). Reproducible through an explicit
-torch.Generator. Every loop starts with the same preamble (`start`: caches, key mask, grammar) and `prefill`; the
+torch.Generator. The loops run under torch.inference_mode (no autograd bookkeeping: ~10% of a step on a CPU at the
+built-in shapes; their outputs are inference tensors, clone them before an in-place edit outside it). Every loop
+starts with the same preamble (`start`: caches, key mask, grammar) and `prefill`; the
 speculative loops commit through `Emitted` and return `DecodeStats`.
 """
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, TypedDict
 
@@ -81,6 +84,32 @@ class DecodeStats(TypedDict, total=False):
     tv: Tensor  # (B, T) TV between each token's law and the target's p there (measure=True; 0 at the prefill token)
 
 
+class Clock:
+    """Wall time of each part of a decode loop's rounds (lisa.bench.speed's per-round breakdown): the loop calls
+    `tick(part)` after each part, which charges the time since the previous tick to it (CUDA-synchronised). A loop
+    given no clock ticks a no-op: the timed passes pay nothing for the breakdown."""
+
+    PARTS = ("prefill", "draft", "target", "verify", "move", "commit", "rest")
+
+    def __init__(self, device: Optional[torch.device] = None):
+        self.device = torch.device(device or "cpu")
+        self.seconds = {part: 0.0 for part in self.PARTS}
+        self.rounds = 0
+        self._t = time.perf_counter()
+
+    def tick(self, part: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.seconds[part] += now - self._t
+        self._t = now
+        self.rounds += part == "rest"
+
+
+def _no_tick(part: str) -> None:
+    return None
+
+
 @dataclass
 class Batch:
     """What a decode call resolves once, before its loop: the condition (B, ...), the key mask over cache slots
@@ -142,7 +171,7 @@ def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, sampl
     return sample(guided(logits, sampling), sampling, generator)[0]
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate(model: Transformer, cond: Tensor, sampling: SamplingConfig, generator: Optional[torch.Generator] = None,
              num_tokens: Optional[int] = None, cond_mask: Optional[Tensor] = None,
              step_fn: Optional[Callable] = None, forced: Optional[Tensor] = None) -> tuple[Tensor, DecodeStats]:
@@ -305,12 +334,12 @@ def emitted_tokens(drafted: Tensor, m: Tensor, next_token: Tensor) -> Tensor:
     return torch.cat([drafted, next_token[:, None]], 1).scatter(1, m[:, None], next_token[:, None])
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: SamplingConfig, spec: SpecConfig,
                          generator: Optional[torch.Generator] = None, num_tokens: Optional[int] = None,
                          cond_mask: Optional[Tensor] = None, geometry=None, options=None,
                          trace: Optional[list] = None, forced: Optional[Tensor] = None,
-                         measure: bool = False) -> tuple[Tensor, DecodeStats]:
+                         measure: bool = False, clock: Optional[Clock] = None) -> tuple[Tensor, DecodeStats]:
     """Speculative sampling of image tokens (B, T) with an EAGLE-3 drafter; each row accepts its own length.
 
     Layout. Target cache: condition prefix at slots 0..C-1, image token j at slot C + j once accepted; a round
@@ -322,7 +351,8 @@ def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: S
     lisa.decoding.verify.verifier_options). Returns (tokens, DecodeStats). trace: a list that receives, per round,
     the draft tree's node scores and depths, the accepted path and its length, and which rows were live (what
     lisa.decoding.costmodel learns acceptance from). forced: (T,) grammar tokens, -1 = free (lisa.decoding.grammar;
-    default: the target's own). measure: stats["tv"] (lisa.decoding.verify.walk).
+    default: the target's own). measure: stats["tv"] (lisa.decoding.verify.walk). clock: a Clock that receives
+    the time of each part of every round (the benchmark's breakdown; None in timed runs).
     """
     b = start(target, cond, sampling, num_tokens, cond_mask, forced, extra_slots=spec.nodes + 2)
     verifier, options = verify.get_verifier(spec.verifier), verify.verifier_options(spec.verifier, options)
@@ -332,27 +362,36 @@ def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: S
     em = Emitted.first(first, b.T, measure)
     zero = torch.zeros(b.B, dtype=torch.long, device=first.device)
     root = commit_pairs(drafter, b, drafter.fuse([h[:, -1:] for h in out.hidden]), first[:, None], zero, zero)
+    tick = clock.tick if clock is not None else _no_tick
+    tick("prefill")
     while em.unfinished():
         live, n = em.live(), em.n
         base = (b.C + n - 1).clamp(max=target.cache_length - spec.nodes - 2)  # root slot; finished rows idle at the end
+        tick("rest")
         tree = draft(drafter, b, root, n, spec, sampling, generator)
+        tick("draft")
         out = tree_forward(target, em.last(), tree, base, b.key_mask, b.use_cfg, taps)  # root + tree, tree mask
         em.forwards += 1
+        tick("target")
         g_logits, p = target_probs(out.logits, sampling)  # (B, N + 1, V)
         p = b.grammar.probs(p, n[:, None] + torch.cat([torch.zeros_like(tree.depth[:, :1]), tree.depth], 1))
         verdict = verifier(verify.VerifyContext(p, tree, logits=g_logits, geometry=geometry, options=options,
                                                 measure=measure), generator)
         m = verdict.n_accepted  # (B,)
         M = int(m.max())  # host sync, once per round: the longest acceptance sizes the moves and the drafter commit
+        tick("verify")
         if trace is not None:
             trace.append({"scores": tree.scores, "depth": tree.depth, "path": verdict.path, "m": m, "live": live})
         path = verdict.path[:, :M]  # (B, M) accepted node indices, -1 past m
         move_accepted(target, path, m, base, b.use_cfg)
+        tick("move")
         new = emitted_tokens(tree.tokens.gather(1, path.clamp(min=0)), m, verdict.next_token)  # (B, M + 1)
         rows = b.dup(torch.cat([torch.zeros_like(m)[:, None], 1 + path.clamp(min=0)], 1))  # (GB, M + 1) of `out`
         feats = drafter.fuse([h.gather(1, rows[..., None].expand(-1, -1, h.shape[-1])) for h in out.hidden])
         root = commit_pairs(drafter, b, feats, new, m, n)
+        tick("commit")
         em.commit(new, m, live, verdict.tv)
+    tick("rest")
     return em.result()
 
 
@@ -366,8 +405,14 @@ def move_accepted(target: Transformer, path: Tensor, m: Tensor, base: Tensor, us
     valid = torch.arange(M, device=path.device)[None] < m[:, None]  # (B, M)
     src = torch.where(valid, base[:, None] + 1 + path.clamp(min=0), junk)  # (B, M)
     dst = torch.where(valid, base[:, None] + 1 + torch.arange(M, device=path.device), junk)  # (B, M)
-    for layer in target.layers:
-        layer.attention.kv_cache.move(_dup(src, use_cfg), _dup(dst, use_cfg))
+    src, dst = _dup(src, use_cfg), _dup(dst, use_cfg)
+    k0 = target.layers[0].attention.kv_cache.k  # (GB', H_kv, L, hd), the same shape in every layer
+    GB, (_, H, _, hd) = src.shape[0], k0.shape
+    src_i, dst_i = (t[:, None, :, None].expand(GB, H, M, hd) for t in (src, dst))  # (GB, H_kv, M, hd)
+    for layer in target.layers:  # KVCache.move, with the index expanded once for every layer
+        cache = layer.attention.kv_cache
+        for buf in (cache.k, cache.v):
+            buf[:GB].scatter_(2, dst_i, buf[:GB].gather(2, src_i))
 
 
 def commit_pairs(drafter, b: Batch, feats: Tensor, new: Tensor, m: Tensor, n: Tensor) -> tuple[Tensor, Tensor]:
@@ -396,10 +441,10 @@ def tree_forward(target: Transformer, root: Tensor, tree, base: Tensor, key_mask
     Lt = target.cache_length
     slots = base[:, None] + torch.arange(N + 1, device=dev)  # (B, S)
     mask = (torch.arange(Lt, device=dev)[None, None, :] < base[:, None, None]).expand(B, N + 1, Lt).clone()
-    mask[torch.arange(B, device=dev), :, base] = True  # everyone sees the root
-    tree_cols = torch.zeros(B, N + 1, Lt, dtype=torch.bool, device=dev)
-    tree_cols.scatter_(2, slots[:, None, 1:].expand(B, N, N), tree.ancestor_mask())  # node i sees its ancestors
-    mask[:, 1:] |= tree_cols[:, :N]
+    window = torch.zeros(B, N + 1, N + 1, dtype=torch.bool, device=dev)  # over slots base .. base + N
+    window[:, :, 0] = True  # everyone sees the root
+    window[:, 1:, 1:] = tree.ancestor_mask()  # node i sees its ancestors
+    mask.scatter_(2, slots[:, None, :].expand(B, N + 1, N + 1), window)
     depth = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), tree.depth], 1)
     rope = (base[:, None] + depth).clamp(max=target.rope.shape[0] - 1)
     x = target.embed_tokens(_dup(torch.cat([root[:, None], tree.tokens], 1), use_cfg))
@@ -448,37 +493,35 @@ def _draft_tree(drafter, b: Batch, root_logp, root_hidden, n, spec: SpecConfig, 
     """EAGLE-2/3 dynamic tree, a static one, or a sampled one: expansions are drafter pairs written after the
     committed ones (slots n, n + 1, ... in expansion order) that see the committed pairs and their own ancestors'
     pairs. dist: _draft_dist (ranked, or sampled from)."""
-    B = root_logp.shape[0]
-    dev = root_logp.device
-    Ld = drafter.cache_length
-    GB = root_hidden.shape[0]
-    state = {"used": 0, "slot_of": torch.zeros(B, 0, dtype=torch.long, device=dev),
-             "hid_of": torch.zeros(GB, 0, root_hidden.shape[-1], device=dev, dtype=root_hidden.dtype)}
+    B, dev = root_logp.shape[0], root_logp.device
+    Ld, H = drafter.cache_length, root_hidden.shape[-1]
+    committed = torch.arange(Ld, device=dev)[None, :] < n[:, None]  # (B, Ld) the pairs every node sees
+    # per expanded node: its drafter mask row (the committed pairs, its ancestors' pairs and its own; never the junk
+    # slot Ld - 1) and its output hidden state; a child's row is its parent's plus its own slot
+    state = {"used": 0, "rows": torch.zeros(B, 0, Ld, dtype=torch.bool, device=dev),
+             "hid": torch.zeros(root_hidden.shape[0], 0, H, device=dev, dtype=root_hidden.dtype)}
 
     def expand(tree, pick):
         M, k = tree.size, pick.shape[1]
-        slot_of = torch.cat([state["slot_of"], torch.full((B, M - state["slot_of"].shape[1]), -1, dtype=torch.long,
-                                                          device=dev)], 1)
-        hid_of = torch.cat([state["hid_of"], torch.zeros(GB, M - state["hid_of"].shape[1], root_hidden.shape[-1],
-                                                         device=dev, dtype=root_hidden.dtype)], 1)
+        rows, hid = state["rows"], state["hid"]
+        if rows.shape[1] < M:
+            rows = torch.cat([rows, rows.new_zeros(B, M - rows.shape[1], Ld)], 1)
+            hid = torch.cat([hid, hid.new_zeros(hid.shape[0], M - hid.shape[1], H)], 1)
         slots = n[:, None] + state["used"] + torch.arange(k, device=dev)  # (B, k)
-        slot_of.scatter_(1, pick, slots)
-        anc = tree.ancestor_mask().gather(1, pick[..., None].expand(-1, -1, M))  # (B, k, M) incl. self
-        cols = torch.where(anc & (slot_of[:, None, :] >= 0), slot_of[:, None, :].expand(-1, k, -1),
-                           torch.full_like(slot_of[:, None, :].expand(-1, k, -1), Ld - 1))
-        mask = torch.arange(Ld, device=dev)[None, None, :] < n[:, None, None]
-        mask = mask.expand(B, k, Ld).clone()
-        mask.scatter_(2, cols, anc)
-        mask[:, :, Ld - 1] = False  # the junk slot is never attended
         parent = tree.parents.gather(1, pick)  # (B, k)
-        in_hid = torch.where(b.dup(parent)[..., None] < 0, root_hidden.expand(-1, k, -1),
-                             hid_of.gather(1, b.dup(parent.clamp(min=0))[..., None].expand(-1, -1, hid_of.shape[-1])))
+        at_root = (parent < 0)[..., None]  # (B, k, 1)
+        mask = torch.where(at_root, committed[:, None], rows.gather(1, parent.clamp(min=0)[..., None].expand(-1, -1, Ld)))
+        mask = mask.scatter(2, slots[..., None], True)  # (B, k, Ld)
+        mask[:, :, Ld - 1] = False  # the junk slot is never attended
+        rows = rows.scatter(1, pick[..., None].expand(-1, -1, Ld), mask)
+        in_hid = torch.where(b.dup(at_root), root_hidden.expand(-1, k, -1),
+                             hid.gather(1, b.dup(parent.clamp(min=0))[..., None].expand(-1, -1, H)))
         depth = tree.depth.gather(1, pick)
         rope = (b.C + n[:, None] - 1 + depth).clamp(max=b.max_pos)
         out = drafter(b.dup(tree.tokens.gather(1, pick)), in_hid, input_pos=b.dup(slots), mask=b.dup(mask),
                       rope_pos=b.dup(rope))
-        hid_of.scatter_(1, b.dup(pick)[..., None].expand(-1, -1, hid_of.shape[-1]), out.hidden)
-        state.update(used=state["used"] + k, slot_of=slot_of, hid_of=hid_of)
+        hid = hid.scatter(1, b.dup(pick)[..., None].expand(-1, -1, H), out.hidden)
+        state.update(used=state["used"] + k, rows=rows, hid=hid)
         return dist(out.logits, n[:, None] + depth)
 
     if spec.draft == "sample":
@@ -514,17 +557,18 @@ def _draft_chain(drafter, b: Batch, root_logp, root_hidden, n, depth, sampling):
     return chain(torch.stack(toks, 1), torch.stack(scores, 1), torch.stack(qs, 1))
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def jacobi_generate(target: Transformer, cond: Tensor, sampling: SamplingConfig, verifier: str = "sjd",
                     window: int = 16, generator: Optional[torch.Generator] = None, num_tokens: Optional[int] = None,
                     cond_mask: Optional[Tensor] = None, geometry=None, options=None,
-                    forced: Optional[Tensor] = None, measure: bool = False) -> tuple[Tensor, DecodeStats]:
+                    forced: Optional[Tensor] = None, measure: bool = False,
+                    clock: Optional[Clock] = None) -> tuple[Tensor, DecodeStats]:
     """Drafter-free speculative decoding over a window of `window` draft tokens refined by the target itself (new
     positions start uniformly random): SJD, GSD, SCD (maximal / Gumbel coupling) and SJD-PAC (a proactive tree).
     Each iteration feeds [last token, window] in one forward; drafts are verified against the distributions they
     were drawn from; the positions after the accepted ones are re-drafted from this iteration's distributions, as
     the method says (lisa.decoding.jacobi), and the window is refilled. options, forced, measure: as in
-    speculative_generate. Returns (tokens (B, T), DecodeStats)."""
+    speculative_generate. clock: as in speculative_generate. Returns (tokens (B, T), DecodeStats)."""
     b = start(target, cond, sampling, num_tokens, cond_mask, forced, extra_slots=window + 2)
     fn, options = verify.get_verifier(verifier), verify.verifier_options(verifier, options)
     paths, coupling = jacobi.window_policy(verifier, options, window)
@@ -536,12 +580,17 @@ def jacobi_generate(target: Transformer, cond: Tensor, sampling: SamplingConfig,
     old = torch.full((b.B, L + 1), -1, dtype=torch.long, device=first.device)  # no untested drafts yet
     q_old = Q
     noise = jacobi.gumbel(Q.shape, generator, Q.device) if coupling == "gumbel" else None
+    tick = clock.tick if clock is not None else _no_tick
+    tick("prefill")
     while em.unfinished():
         live, n = em.live(), em.n
         base = (b.C + n - 1).clamp(max=target.cache_length - L - 2)
+        tick("rest")
         tree = jacobi.draft_window(layout, Q, old, q_old, coupling, noise, generator)
+        tick("draft")
         out = tree_forward(target, em.last(), tree, base, b.key_mask, b.use_cfg)
         em.forwards += 1
+        tick("target")
         g_logits, p = target_probs(out.logits, sampling)  # (B, L + 1, V): row i + 1 = the law after node i
         at = torch.cat([torch.zeros_like(tree.depth[:, :1]), tree.depth], 1)  # (B, L + 1) offset of each row's children
         p = b.grammar.probs(p, n[:, None] + at)
@@ -549,40 +598,44 @@ def jacobi_generate(target: Transformer, cond: Tensor, sampling: SamplingConfig,
         v = fn(verify.VerifyContext(p, tree, logits=g_logits, geometry=geometry, options=options, measure=measure,
                                     noise=rows_noise), generator)
         m = v.n_accepted  # (B,)
+        tick("verify")
         if layout.is_chain:  # accepted drafts are already at their sequence slots
             drafted = tree.tokens
         else:
             M = int(m.max())  # host sync, once per iteration: the longest acceptance sizes the cache moves
             move_accepted(target, v.path[:, :M], m, base, b.use_cfg)
             drafted = tree.tokens.gather(1, v.path[:, :M].clamp(min=0))
+        tick("move")
         em.commit(emitted_tokens(drafted, m, v.next_token), m, live, v.tv)
         Q, old, q_old = jacobi.next_state(layout, tree, p, v.path, m)
         if noise is not None:
             noise = jacobi.shift_noise(noise, m + 1, generator)
+        tick("commit")
+    tick("rest")
     return em.result()
 
 
 def decoder(target: Transformer, method: str = "vanilla", drafter=None, spec: Optional[SpecConfig] = None,
             window: int = 16, geometry=None, options=None, measure: bool = False) -> Callable:
     """The Python API behind `lisa sample --method`: a function (cond, sampling, generator, cond_mask=None,
-    forced=None) -> (tokens (B, T), stats) decoding with `method`: "vanilla", or a verifier name (greedy / exact / lantern / ...
+    forced=None, clock=None) -> (tokens (B, T), stats) decoding with `method`: "vanilla", or a verifier name (greedy / exact / lantern / ...
     with an EAGLE-3 `drafter` and a `spec` tree; sjd / gsd run drafter-free over a `window`). Relaxed verifiers
     read `geometry` (lisa.decoding.verify.Geometry) and their knobs from `options` (a dict or the verifier's typed
     options, checked here). stats: DecodeStats. lisa.config.DecodeMethod.decoder builds one from params.yaml."""
     if method == "vanilla":
-        return lambda c, s, g, cond_mask=None, forced=None: generate(target, c, s, g, cond_mask=cond_mask,
+        return lambda c, s, g, cond_mask=None, forced=None, clock=None: generate(target, c, s, g, cond_mask=cond_mask,
                                                                       forced=forced)
     if method not in verify.VERIFIERS:
         raise ValueError(f"decoding method {method!r}: not 'vanilla' nor a verifier {sorted(verify.VERIFIERS)}")
     options = verify.verifier_options(method, options)
     if verify.is_jacobi(method):
-        return lambda c, s, g, cond_mask=None, forced=None: jacobi_generate(
+        return lambda c, s, g, cond_mask=None, forced=None, clock=None: jacobi_generate(
             target, c, s, method, window, g, cond_mask=cond_mask, geometry=geometry, options=options, forced=forced,
-            measure=measure)
+            measure=measure, clock=clock)
     if drafter is None:
         raise ValueError(f"decoding method {method!r} verifies a drafter's trees: give a drafter "
                          "(`lisa train-drafter`)")
     spec = dataclasses.replace(spec or SpecConfig(method), verifier=method)
-    return lambda c, s, g, cond_mask=None, forced=None: speculative_generate(
+    return lambda c, s, g, cond_mask=None, forced=None, clock=None: speculative_generate(
         target, drafter, c, s, spec, g, cond_mask=cond_mask, geometry=geometry, options=options, forced=forced,
-        measure=measure)
+        measure=measure, clock=clock)

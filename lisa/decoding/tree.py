@@ -17,6 +17,7 @@ before its children), which every function here relies on.
 """
 from __future__ import annotations
 
+import functools
 import heapq
 from dataclasses import dataclass
 from typing import Callable, Literal, Optional, Sequence
@@ -33,6 +34,7 @@ class Tree:
     scores: Tensor
     q: Optional[Tensor] = None
     sampled: Optional[Literal["iid", "wor"]] = None
+    shape: Optional["Shape"] = None  # the shape every row shares, when it was fixed before drafting (tree_shape)
 
     @property
     def size(self) -> int:
@@ -40,6 +42,8 @@ class Tree:
 
     def ancestor_mask(self) -> Tensor:
         """(B, N, N) bool: node i may attend to node j iff j is i or one of its ancestors (tree attention)."""
+        if self.shape is not None:
+            return self.shape.ancestors.expand(self.tokens.shape[0], -1, -1)
         B, N = self.parents.shape
         dev = self.parents.device
         mask = torch.eye(N, dtype=torch.bool, device=dev).expand(B, N, N).clone()
@@ -49,6 +53,22 @@ class Tree:
             mask.scatter_(2, anc.clamp(min=0)[..., None], (anc >= 0)[..., None] | mask.gather(2, anc.clamp(min=0)[..., None]))
             anc = parents_ext.gather(1, torch.where(anc >= 0, anc, N))
         return mask
+
+    def children(self) -> Tensor:
+        """(B, N + 1, C) child node indices of the root (row 0) and every node (row i + 1), in node order, pad -1."""
+        if self.shape is not None:
+            return self.shape.kids.expand(self.tokens.shape[0], -1, -1)
+        B, N = self.parents.shape
+        rows = self.parents + 1  # (B, N) row of each node's parent
+        counts = torch.zeros(B, N + 1, dtype=torch.long, device=rows.device).scatter_add_(1, rows, torch.ones_like(rows))
+        C = max(int(counts.max()), 1)
+        out = torch.full((B, N + 1, C), -1, dtype=torch.long, device=rows.device)
+        # slot of each node among its siblings: how many earlier nodes share its parent
+        same = rows[:, :, None] == rows[:, None, :]  # (B, N, N)
+        slot = (same & torch.ones(N, N, dtype=torch.bool, device=rows.device).tril(-1)).sum(-1)  # (B, N)
+        b = torch.arange(B, device=rows.device)[:, None].expand(B, N)
+        out[b, rows, slot] = torch.arange(N, device=rows.device).expand(B, N)
+        return out
 
     def leaves(self) -> Tensor:
         """(B, N) bool: nodes without children."""
@@ -72,13 +92,67 @@ class Tree:
         return out
 
 
+@dataclass(frozen=True, eq=False)
+class Level:
+    """The nodes of one depth of a fixed shape, for filling them in one indexing op per level."""
+    nodes: Tensor  # (n,) node indices, in node order
+    parents: Tensor  # (P,) the distinct parents of these nodes, in node order (-1: the root)
+    j: Tensor  # (n,) each node's parent, as a position in `parents`
+    s: Tensor  # (n,) each node's index among its siblings
+    width: int  # most children of one parent on this level
+    built: int  # nodes on the earlier levels (the arrays' prefix before this level)
+
+
+@dataclass(frozen=True, eq=False)
+class Shape:
+    """A tree shape fixed before any token is drafted (sampled and static trees, chains): every row and every round
+    share it, so its structure is built once (`tree_shape`) and reused instead of recomputed each round."""
+    paths: tuple[tuple[int, ...], ...]  # sibling-index paths in node (breadth-first) order
+    parents: Tensor  # (N,) long
+    depth: Tensor  # (N,) long
+    ancestors: Tensor  # (N, N) bool: Tree.ancestor_mask
+    kids: Tensor  # (N + 1, C) long: Tree.children
+    levels: tuple[Level, ...]  # depth 1, 2, ...
+    widths: tuple[int, ...]  # (D + 1,) most children of a node at depth 0 (the root), 1, ..., D (0 at the leaves)
+
+
+def tree_shape(paths: Sequence[tuple[int, ...]], device=None) -> Shape:
+    """The Shape of prefix-closed sibling-index paths (each node's path of child indices from the root, e.g. (0, 1)
+    = the second child of the first child), built once per (paths, device)."""
+    return _tree_shape(tuple(sorted({tuple(int(r) for r in p) for p in paths}, key=lambda p: (len(p), p))),
+                       str(torch.device(device or "cpu")))
+
+
+@functools.lru_cache(maxsize=256)
+def _tree_shape(paths: tuple[tuple[int, ...], ...], device: str) -> Shape:
+    index = {p: i for i, p in enumerate(paths)}
+    N = len(paths)
+    parents = torch.tensor([index[p[:-1]] if len(p) > 1 else -1 for p in paths], device=device)
+    depth = torch.tensor([len(p) for p in paths], device=device)
+    plain = Tree(torch.zeros(1, N, dtype=torch.long, device=device), parents[None], depth[None],
+                 torch.zeros(1, N, device=device))
+    levels = []
+    for d in range(1, max(len(p) for p in paths) + 1):
+        nodes = [p for p in paths if len(p) == d]
+        parent_paths = sorted({p[:-1] for p in nodes}, key=lambda p: index.get(p, -1))
+        at = {pp: j for j, pp in enumerate(parent_paths)}
+        levels.append(Level(torch.tensor([index[p] for p in nodes], device=device),
+                            torch.tensor([index.get(pp, -1) for pp in parent_paths], device=device),
+                            torch.tensor([at[p[:-1]] for p in nodes], device=device),
+                            torch.tensor([p[-1] for p in nodes], device=device),
+                            max(p[-1] for p in nodes) + 1, index[nodes[0]]))
+    widths = tuple(lv.width for lv in levels) + (0,)
+    return Shape(paths, parents, depth, plain.ancestor_mask()[0], plain.children()[0], tuple(levels), widths)
+
+
 def chain(tokens: Tensor, scores: Optional[Tensor] = None, q: Optional[Tensor] = None,
           sampled: Optional[Literal["iid", "wor"]] = None) -> Tree:
     """A plain chain of drafts (B, N): node i's parent is i - 1."""
     B, N = tokens.shape
+    shape = tree_shape([(0,) * d for d in range(1, N + 1)], tokens.device) if N else None
     ar = torch.arange(N, device=tokens.device)
     return Tree(tokens, (ar - 1).expand(B, N).clone(), (ar + 1).expand(B, N).clone(),
-                scores if scores is not None else torch.zeros(B, N, device=tokens.device), q, sampled)
+                scores if scores is not None else torch.zeros(B, N, device=tokens.device), q, sampled, shape)
 
 
 def dynamic_tree(root_logprobs: Tensor, expand: Callable[[Tree, Tensor], Tensor], depth: int, top_k: int,
@@ -174,7 +248,7 @@ def static_tree(root_logprobs: Tensor, expand: Callable[[Tree, Tensor], Tensor],
             i = index[p]
             tokens[:, i] = idx[:, -1]
             scores[:, i] = top[:, -1] + (scores[:, index[p[:-1]]] if level > 1 else 0.0)
-    return Tree(tokens, parents, depths, scores, q)
+    return Tree(tokens, parents, depths, scores, q, shape=tree_shape(paths, dev))
 
 
 def select(tree: Tree, keep: Tensor) -> Tree:
@@ -239,29 +313,24 @@ def sampled_tree(root_logq: Tensor, expand: Callable[[Tree, Tensor], Tensor], ch
                          f"offending {bad[:3]}")
     B, V = root_logq.shape
     dev = root_logq.device
+    shape = tree_shape(paths, dev)
     N = len(paths)
     tokens = torch.zeros(B, N, dtype=torch.long, device=dev)
     scores = torch.zeros(B, N, device=dev)
-    parents = torch.tensor([index[p[:-1]] if len(p) > 1 else -1 for p in paths], device=dev).expand(B, N).clone()
-    depths = torch.tensor([len(p) for p in paths], device=dev).expand(B, N).clone()
+    parents, depths = shape.parents.expand(B, N).clone(), shape.depth.expand(B, N).clone()
     q = torch.zeros(B, N + 1, V, device=dev)
     q[:, 0] = root_logq.exp()
-    for level in range(1, max(len(p) for p in paths) + 1):
-        nodes = [p for p in paths if len(p) == level]
-        parent_paths = sorted({p[:-1] for p in nodes}, key=lambda p: index.get(p, -1))
-        if level == 1:
-            logq = root_logq[:, None]  # (B, 1, V)
+    for lv in shape.levels:
+        if lv.built == 0:  # depth 1: the root's children
+            logq, qx = root_logq[:, None], q[:, :1]  # (B, 1, V)
         else:
-            pick = torch.tensor([index[p] for p in parent_paths], device=dev).expand(B, -1)
-            built = index[nodes[0]]  # nodes of the earlier levels: a prefix of the arrays
-            logq = expand(Tree(tokens[:, :built], parents[:, :built], depths[:, :built], scores[:, :built]), pick)
-            q.scatter_(1, (pick + 1)[..., None].expand(-1, -1, V), logq.exp())
-        c = max(p[-1] for p in nodes) + 1
-        drawn = draw_siblings(logq.exp(), logq, c, scheme, generator)  # (B, parents, c)
-        lq = logq.gather(2, drawn)
-        for j, pp in enumerate(parent_paths):
-            for p in (x for x in nodes if x[:-1] == pp):
-                i = index[p]
-                tokens[:, i] = drawn[:, j, p[-1]]
-                scores[:, i] = lq[:, j, p[-1]] + (scores[:, index[pp]] if level > 1 else 0.0)
-    return Tree(tokens, parents, depths, scores, q, scheme)
+            pick = lv.parents.expand(B, -1)  # (B, P)
+            logq = expand(Tree(tokens[:, :lv.built], parents[:, :lv.built], depths[:, :lv.built],
+                               scores[:, :lv.built]), pick)  # (B, P, V)
+            qx = logq.exp()
+            q[:, lv.parents + 1] = qx
+        drawn = draw_siblings(qx, logq, lv.width, scheme, generator)  # (B, P, width)
+        tokens[:, lv.nodes] = drawn[:, lv.j, lv.s]
+        lq = logq.gather(2, drawn)[:, lv.j, lv.s]  # (B, n)
+        scores[:, lv.nodes] = lq + scores[:, lv.parents[lv.j]] if lv.built else lq
+    return Tree(tokens, parents, depths, scores, q, scheme, shape)

@@ -68,17 +68,7 @@ class Verdict:
 
 def children_table(tree: Tree) -> Tensor:
     """(B, N + 1, C) child node indices of the root (row 0) and every node (row i + 1), in node order, pad -1."""
-    B, N = tree.parents.shape
-    rows = tree.parents + 1  # (B, N) row of each node's parent
-    counts = torch.zeros(B, N + 1, dtype=torch.long, device=rows.device).scatter_add_(1, rows, torch.ones_like(rows))
-    C = max(int(counts.max()), 1)
-    out = torch.full((B, N + 1, C), -1, dtype=torch.long, device=rows.device)
-    # slot of each node among its siblings: how many earlier nodes share its parent
-    same = rows[:, :, None] == rows[:, None, :]  # (B, N, N)
-    slot = (same & torch.ones(N, N, dtype=torch.bool, device=rows.device).tril(-1)).sum(-1)  # (B, N)
-    b = torch.arange(B, device=rows.device)[:, None].expand(B, N)
-    out[b, rows, slot] = torch.arange(N, device=rows.device).expand(B, N)
-    return out
+    return tree.children()
 
 
 AcceptFn = Callable[[Tensor, Tensor, Tensor, Tensor, "VerifyContext"], tuple[Tensor, Tensor]]
@@ -187,27 +177,29 @@ def walk_sampled(ctx: VerifyContext, generator: torch.Generator, relax_fn: Optio
     n_acc = torch.zeros(B, dtype=torch.long, device=dev)
     done = torch.zeros(B, dtype=torch.bool, device=dev)
     tv = torch.full((B, depth + 1), float("nan"), device=dev) if ctx.measure else None
+    widths = tree.shape.widths if tree.shape is not None else (kids.shape[-1],) * (depth + 1)
     for level in range(depth + 1):
         moved = torch.zeros(B, dtype=torch.bool, device=dev)
         r_node, q_node = r, tree.q[ar, row]
         qi = q_node
-        for s in range(kids.shape[-1]):
-            child = kids[ar, row, s]  # (B,)
+        krow = kids[ar, row]  # (B, C) the children of each row's node
+        toks = tree.tokens.gather(1, krow.clamp(min=0))  # (B, C)
+        for s in range(widths[level]):  # past the level's widest node no row has a child
+            child = krow[:, s]  # (B,)
             exists = (child >= 0) & ~done & (qi.sum(-1) > 1e-12)
-            if not exists.any():
+            if not exists.any():  # a host sync per sibling on a GPU; a draw is made only for a tried sibling
                 continue
-            active = exists & ~moved
-            tok = tree.tokens[ar, child.clamp(min=0)]
+            tok = toks[:, s, None]  # (B, 1)
             u = torch.rand(B, generator=generator, device=dev)
             rn = _normalise(r)
-            prob = ratio(rn.gather(1, tok[:, None]).squeeze(1), qi.gather(1, tok[:, None]).squeeze(1))
+            prob = ratio(rn.gather(1, tok).squeeze(1), qi.gather(1, tok).squeeze(1))
             rest = _normalise((rn - qi).clamp(min=0))
             rest = torch.where(rest.sum(-1, keepdim=True) > 0, rest, rn)  # r == q: nothing is ever rejected
-            acc = (u < prob) & active
+            acc = (u < prob) & exists & ~moved
             r = torch.where((exists & ~acc)[:, None], rest, r)  # rows that accepted leave r behind: unused
             if tree.sampled == "wor":
-                qi = torch.where(exists[:, None], _normalise(qi.scatter(1, tok[:, None], 0.0)), qi)
-            path[acc, level] = child[acc]
+                qi = torch.where(exists[:, None], _normalise(qi.scatter(1, tok, 0.0)), qi)
+            path[:, level] = torch.where(acc, child, path[:, level])
             moved |= acc
         if tv is not None:
             law = _sampled_law(r_node, q_node, kids[ar, row], tree.sampled, emit, row, ctx)
