@@ -1,0 +1,106 @@
+"""The pipeline as dvc.yaml defines it, read through DVC, and the Prefect task that runs one of its stages the way
+`dvc repro` does.
+
+`read_dag` expands foreach / matrix items and derives the edges from deps and outs with DVC's own code, so the flow
+has no copy of the DAG. `repro` runs `dvc repro --single-item <stage>`: DVC skips a stage it finds up to date,
+otherwise runs its command (`lisa <stage> ...`, i.e. lisa.stages.run_stage) and records it in dvc.lock. DVC holds
+its repository lock while it checks and records, and releases it while the command runs, so independent stages run
+concurrently (`--wait-for-lock` queues the short locked parts)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from prefect import task
+
+
+@dataclass(frozen=True)
+class DagStage:
+    """One stage of dvc.yaml after foreach / matrix expansion."""
+    name: str                    # DVC's address: build-dataset@fashion-c2i, eval-method@fashion-c2i-vanilla
+    cmd: str
+    upstream: tuple[str, ...]    # stages whose outs it depends on
+    metrics: tuple[str, ...]     # its metrics files, relative to the repository root
+
+    @property
+    def family(self) -> str:
+        return self.name.split("@")[0]
+
+
+def read_dag(root: str | Path = ".") -> dict[str, DagStage]:
+    """Every stage of root/dvc.yaml, upstream before downstream (DVC's own graph)."""
+    import networkx as nx
+    from dvc.repo import Repo
+
+    root = Path(root).resolve()
+
+    def address(stage) -> str:  # as `dvc repro` takes it in root: name, or path/dvc.yaml:name
+        where = Path(stage.dvcfile.path).resolve().relative_to(root)
+        return stage.name if where == Path("dvc.yaml") else f"{where}:{stage.name}"
+
+    with Repo(str(root)) as repo:
+        graph = repo.index.graph  # edge (stage, a stage whose outs it depends on)
+        order = list(reversed(list(nx.topological_sort(graph))))
+        return {address(s): DagStage(address(s), s.cmd, tuple(sorted(address(u) for u in graph.successors(s))),
+                                     tuple(str(o.def_path) for o in s.outs if o.metric))
+                for s in order if s.cmd}
+
+
+def select(dag: dict[str, DagStage], targets: list[str]) -> dict[str, DagStage]:
+    """The stages `targets` name (an address, or a family: every item of a foreach / matrix) and those they need."""
+    unknown = [t for t in targets if not any(t in (s.name, s.family) for s in dag.values())]
+    if unknown:
+        raise ValueError(f"no stage {', '.join(unknown)} in dvc.yaml; stages: {sorted({s.family for s in dag.values()})}")
+    keep = {s.name for s in dag.values() if s.name in targets or s.family in targets}
+    for name in reversed(list(dag)):  # downstream first: add what each kept stage needs
+        if name in keep:
+            keep.update(dag[name].upstream)
+    return {n: s for n, s in dag.items() if n in keep}
+
+
+def _env() -> dict[str, str]:
+    """The environment of the flow, with this interpreter's bin folder (dvc, lisa) first on PATH."""
+    bin_dir = str(Path(sys.executable).parent)
+    return {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+
+
+def dvc(args: list[str], root: str | Path = ".") -> subprocess.CompletedProcess:
+    """`dvc <args>` in `root` (waits for DVC's lock); raises with DVC's output on failure."""
+    cmd = [str(Path(sys.executable).parent / "dvc"), "--wait-for-lock", *args]
+    proc = subprocess.run(cmd, cwd=root, env=_env(), capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"`dvc {' '.join(args)}` failed in {root}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def outcome(stage: str, log: str) -> str:
+    """What `dvc repro --single-item stage` did, from its log: "ran", "skipped" (up to date) or "restored" (from
+    DVC's run cache)."""
+    quoted = re.escape(f"'{stage}'")
+    if re.search(rf"Stage {quoted} didn't change, skipping", log):
+        return "skipped"
+    if re.search(rf"Stage {quoted} is cached - skipping run, checking out outputs", log):
+        return "restored"
+    return "ran"
+
+
+@task(name="repro", task_run_name="{stage}")
+def repro(stage: str, root: str = ".", metrics: tuple[str, ...] = (), stale: bool = True,
+          upstream: list[dict] | None = None) -> dict:
+    """`dvc repro --single-item stage` in `root`: {"stage", "outcome": ran | skipped | restored, "metrics": {path:
+    its JSON}}. `upstream`: the results of the stages it depends on, run first. A stage that `dvc status` found up
+    to date before the flow started (stale=False), none of whose upstream stages has run since, is still up to
+    date: it is skipped without asking DVC again."""
+    if not stale and all(u["outcome"] == "skipped" for u in upstream or []):
+        done = "skipped"
+    else:
+        proc = dvc(["repro", "--single-item", stage], root)
+        done = outcome(stage, proc.stdout + proc.stderr)
+    print(f"{stage}: {done}")
+    read = {m: json.loads((Path(root) / m).read_text()) for m in metrics if (Path(root) / m).is_file()}
+    return {"stage": stage, "outcome": done, "metrics": read}
