@@ -104,3 +104,53 @@ def repro(stage: str, root: str = ".", metrics: tuple[str, ...] = (), stale: boo
     print(f"{stage}: {done}")
     read = {m: json.loads((Path(root) / m).read_text()) for m in metrics if (Path(root) / m).is_file()}
     return {"stage": stage, "outcome": done, "metrics": read}
+
+
+@task(name="new-target")
+def new_target(world: str, root: str = ".") -> dict:
+    """{"changed": why the world's target checkpoint changed, or None} after making the change DVC's, so that the
+    DAG then rebuilds what depends on it; {"refused": one line} instead when the target cannot be used:
+    - `worlds.<world>.target_checkpoint` set (an official .pt, a bare .safetensors, a transformers folder) and its
+      bytes differ from those the target was imported from: `dvc repro --force` of train-target imports it (it
+      writes the sidecar) and records it (a changed path needs nothing: DVC sees the param);
+    - data/target/<world>/model.safetensors replaced by a file in lisa's format (its sidecar matches its bytes)
+      that the calibration was not made for: `dvc commit` records it as train-target's output.
+    A target whose bytes disagree with its sidecar (or that has none) is refused: the line says what to do."""
+    from lisa.checkpoint import CheckpointError
+    try:
+        return {"changed": _new_target(world, root)}
+    except CheckpointError as e:
+        return {"refused": str(e)}
+
+
+def _new_target(world: str, root: str = ".") -> str | None:
+    from lisa.checkpoint import CheckpointError, file_sha256, sidecar_path
+    from lisa.config import load_params
+    from lisa.stages import WorldPaths
+    from lisa.stages.drafter import needs_recalibration
+
+    w = load_params(Path(root) / "params.yaml").world(world)
+    paths = WorldPaths.of(world, root)
+    if not (paths.target_file.is_file() and (paths.calibration_dir / "calibration.json").is_file()):
+        return None  # not built yet: lisa-full builds it
+    side = sidecar_path(paths.target_file)
+    meta = json.loads(side.read_text()) if side.is_file() else {}
+    if meta.get("sha256") != file_sha256(paths.target_file):
+        raise CheckpointError(
+            f"{paths.target_file}: its bytes are not those its sidecar {side.name} records (or it has none): to use "
+            f"new weights (a .pt or a .safetensors), name the file in params.yaml at worlds.{world}.target_checkpoint "
+            f"and run again; to go back, `git checkout {paths.target_dir}`")
+    if w.target_checkpoint:
+        made = meta.get("made_from", {})
+        if made.get("llamagen_checkpoint") != w.target_checkpoint:  # DVC sees the param: train-target imports it
+            return f"worlds.{world}.target_checkpoint now names {w.target_checkpoint}"
+        ckpt = Path(w.target_checkpoint) if Path(w.target_checkpoint).is_absolute() else Path(root) / w.target_checkpoint
+        now = file_sha256(ckpt) if ckpt.is_file() else None  # a transformers folder: DVC's params only
+        if now is None or made.get("sha256") == now:
+            return None
+        dvc(["repro", "--force", "--single-item", f"train-target@{world}"], root)
+        return f"{w.target_checkpoint} has new bytes (sha256 {now[:12]}, imported {made.get('sha256', '')[:12]})"
+    why = needs_recalibration(paths.target_file, paths.calibration_dir)
+    if why is not None:
+        dvc(["commit", "--force", f"train-target@{world}"], root)
+    return why

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 # make@<item> writes out/<item>.txt from params sizes.<item> (after `sleep` seconds); join reads both
-WRITE = "import sys, time, yaml; time.sleep(float(sys.argv[2])); " \
+WRITE = "import os, sys, time, yaml; time.sleep(float(sys.argv[2])); os.makedirs('out', exist_ok=True); " \
         "open(f'out/{sys.argv[1]}.txt', 'w').write(str(yaml.safe_load(open('params.yaml'))['sizes'][sys.argv[1]]))"
 JOIN = "import json; json.dump({'total': sum(int(open(f'out/{w}.txt').read()) for w in 'ab')}, open('m.json', 'w'))"
 
@@ -49,7 +49,6 @@ def toy_repo(path: Path, sleep: float = 0.0, items=("a", "b", "c", "d")) -> Path
     git(["init", "-q"], path)
     dvc(["init", "-q"], path)
     dvc(["config", "core.analytics", "false"], path)
-    (path / "out").mkdir()
     (path / "dvc.yaml").write_text(yaml.safe_dump(toy_dvc_yaml(sleep, items), sort_keys=False))
     (path / "params.yaml").write_text(yaml.safe_dump({"sizes": {w: i + 1 for i, w in enumerate(items)}}))
     git(["add", "-A"], path)
@@ -183,3 +182,56 @@ def test_task_runner_is_a_setting(monkeypatch):
         monkeypatch.setenv("LISA_TASK_RUNNER", "dask")
         monkeypatch.setenv("LISA_DASK_ADDRESS", "tcp://10.0.0.1:8786")
         assert task_runner().address == "tcp://10.0.0.1:8786"
+
+
+def test_help_names_the_dvc_stages_and_plan_runs_alone(tmp_path, capsys):
+    """`lisa --help` says which commands are dvc.yaml stages (truly), and `lisa plan` works as the README names
+    it: it runs `dvc status --json` itself."""
+    from lisa.cli import COMMANDS, OUTSIDE_DVC, build_parser, main
+    from tasks.pipeline import read_dag
+
+    families = {s.family for s in read_dag(ROOT).values()}
+    assert families == set(COMMANDS) - set(OUTSIDE_DVC)
+    text = build_parser().format_help()
+    assert all(c in text for c in OUTSIDE_DVC) and "of dvc.yaml" in text
+    repo = toy_repo(tmp_path / "toy")
+    assert main(["plan", "--lock", str(repo / "dvc.lock")]) == 0
+    assert "5 of 0 stages will run" in capsys.readouterr().out
+    dvc(["repro"], repo)
+    assert main(["plan", "--lock", str(repo / "dvc.lock")]) == 0
+    assert "0 of 5 stages will run" in capsys.readouterr().out
+
+
+def test_two_machines_share_the_dag_through_a_dvc_remote(tmp_path, harness, flow):
+    """docs/pipeline.md, several machines, simulated: two clones of one repository and a local-folder DVC remote.
+    Each runs other stages, pushes its outputs and its dvc.lock; the merge (tasks/lockmerge.py as git's merge
+    driver) keeps both machines' entries, and after `dvc pull` the rest of the DAG needs only what neither ran."""
+    from tasks.lockmerge import merge_locks
+
+    toy = toy_repo(tmp_path / "toy")
+    dvc(["remote", "add", "-d", "store", str(tmp_path / "store")], toy)
+    (toy / ".gitattributes").write_text("dvc.lock merge=dvc-lock\n")
+    git(["add", "-A"], toy)
+    git(["commit", "-qm", "remote"], toy)
+    git(["clone", "-q", "--bare", str(toy), str(tmp_path / "origin.git")], tmp_path)
+    clones = {}
+    for name, stages in (("A", ["make@a", "make@c"]), ("B", ["make@b", "make@d"])):
+        repo = clones[name] = tmp_path / name
+        git(["clone", "-q", str(tmp_path / "origin.git"), str(repo)], tmp_path)
+        git(["config", "merge.dvc-lock.driver", f"{sys.executable} -m tasks.lockmerge %O %A %B"], repo)
+        assert ran(flow(root=str(repo), stages=stages)) == set(stages)
+        dvc(["push"], repo)
+        git(["add", "dvc.lock"], repo)
+        git(["commit", "-qm", f"machine {name}"], repo)
+    git(["push", "-q"], clones["A"])
+    git(["pull", "-q", "--no-rebase", "--no-edit"], clones["B"])  # A's lock merged into B's
+    b = clones["B"]
+    lock = yaml.safe_load((b / "dvc.lock").read_text())["stages"]
+    assert set(lock) == {"make@a", "make@b", "make@c", "make@d"}
+    dvc(["pull"], b)                                               # A's outputs, from the remote
+    assert (b / "out/a.txt").read_text() == "1"
+    assert ran(flow(root=str(b))) == {"join"}                      # only what neither machine ran
+    assert json.loads(dvc(["status", "--json"], b)) == {}
+
+    entry = {"cmd": "x"}
+    assert merge_locks({}, {"stages": {"s": entry}}, {"stages": {"s": {"cmd": "y"}}})[1] == ["s"]
