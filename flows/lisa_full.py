@@ -23,6 +23,7 @@ def lisa_full(root: str = ".", stages: list[str] | None = None) -> dict:
     """Bring the stages of root/dvc.yaml (or `stages` and what they need: addresses such as calibrate@fashion-c2i,
     or families such as eval-method) up to date. Returns {stage: {"outcome": ran | skipped | restored, "metrics":
     {path: JSON}}} and, under "estimate", `lisa estimate` of the profile (logged before anything runs)."""
+    root = str(Path(root).resolve())  # the same path on every worker: a Dask worker elsewhere has its checkout there
     results = {"estimate": estimate(str(Path(root) / "params.yaml"))}
     dag = read_dag(root)
     dag = select(dag, stages) if stages else dag
@@ -30,7 +31,7 @@ def lisa_full(root: str = ".", stages: list[str] | None = None) -> dict:
     futures = {}
     for name, st in dag.items():  # upstream before downstream
         up = [futures[u] for u in st.upstream if u in futures]
-        futures[name] = repro.submit(name, root, st.metrics, stale=name in stale, upstream=up)
+        futures[name] = repro.submit(name, root, st.metrics, stale=name in stale, upstream=up, cmd=st.cmd)
     failed = []
     for name, future in futures.items():
         try:

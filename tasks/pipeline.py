@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -89,15 +90,49 @@ def outcome(stage: str, log: str) -> str:
     return "ran"
 
 
+# stages that train or cache across processes under torchrun (DDP / sharded), and the settings of their launch
+TORCHRUN_STAGES = ("cache-logits", "train-drafter")
+
+
+def torchrun_launch(family: str) -> list[str]:
+    """`torchrun ... --no-python` for a stage of TORCHRUN_STAGES, from the settings LISA_NPROC_PER_NODE (processes
+    per machine; default 1: no torchrun) and LISA_NNODES (machines; default 1), with LISA_RDZV_ENDPOINT (host:port
+    of node 0) and LISA_NODE_RANK when there are several; [] for a plain process."""
+    nproc, nnodes = int(os.environ.get("LISA_NPROC_PER_NODE", "1")), int(os.environ.get("LISA_NNODES", "1"))
+    if family not in TORCHRUN_STAGES or nproc * nnodes == 1:
+        return []
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(nproc), "--nnodes", str(nnodes)]
+    if nnodes == 1:
+        return cmd + ["--standalone", "--no-python"]
+    return cmd + ["--node_rank", os.environ.get("LISA_NODE_RANK", "0"), "--rdzv_backend", "c10d",
+                  "--rdzv_endpoint", os.environ["LISA_RDZV_ENDPOINT"], "--no-python"]
+
+
+def _repro_torchrun(stage: str, cmd: str, launch: list[str], root: str) -> str:
+    """What `dvc repro --single-item` does, with the stage's command under torchrun: skip it if DVC finds it up to
+    date, else run it and record it in dvc.lock (`dvc commit`)."""
+    if stage not in json.loads(dvc(["status", "--json", stage], root).stdout or "{}"):
+        return "skipped"
+    proc = subprocess.run(launch + shlex.split(cmd), cwd=root, env=_env(), capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"`{' '.join(launch)} {cmd}` failed in {root}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    dvc(["commit", "--force", stage], root)
+    return "ran"
+
+
 @task(name="repro", task_run_name="{stage}")
 def repro(stage: str, root: str = ".", metrics: tuple[str, ...] = (), stale: bool = True,
-          upstream: list[dict] | None = None) -> dict:
+          upstream: list[dict] | None = None, cmd: str = "") -> dict:
     """`dvc repro --single-item stage` in `root`: {"stage", "outcome": ran | skipped | restored, "metrics": {path:
     its JSON}}. `upstream`: the results of the stages it depends on, run first. A stage that `dvc status` found up
     to date before the flow started (stale=False), none of whose upstream stages has run since, is still up to
-    date: it is skipped without asking DVC again."""
+    date: it is skipped without asking DVC again. A stage of TORCHRUN_STAGES runs its command `cmd` under
+    torchrun when the settings ask for several processes (torchrun_launch)."""
+    launch = torchrun_launch(stage.split("@")[0])
     if not stale and all(u["outcome"] == "skipped" for u in upstream or []):
         done = "skipped"
+    elif launch:
+        done = _repro_torchrun(stage, cmd, launch, root)
     else:
         proc = dvc(["repro", "--single-item", stage], root)
         done = outcome(stage, proc.stdout + proc.stderr)

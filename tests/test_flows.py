@@ -235,3 +235,21 @@ def test_two_machines_share_the_dag_through_a_dvc_remote(tmp_path, harness, flow
 
     entry = {"cmd": "x"}
     assert merge_locks({}, {"stages": {"s": entry}}, {"stages": {"s": {"cmd": "y"}}})[1] == ["s"]
+
+
+def test_torchrun_launch_is_a_setting(monkeypatch):
+    """cache-logits and train-drafter run under torchrun when the settings ask for several processes; other stages
+    and one process run plainly (the 2-process run itself: test_flows_micro.py)."""
+    from tasks.pipeline import torchrun_launch
+
+    assert torchrun_launch("cache-logits") == []
+    monkeypatch.setenv("LISA_NPROC_PER_NODE", "2")
+    launch = torchrun_launch("train-drafter")
+    assert launch[0].endswith("torchrun") and launch[1:] == ["--nproc_per_node", "2", "--nnodes", "1", "--standalone",
+                                                              "--no-python"]
+    assert torchrun_launch("calibrate") == []
+    monkeypatch.setenv("LISA_NNODES", "2")
+    monkeypatch.setenv("LISA_NODE_RANK", "1")
+    monkeypatch.setenv("LISA_RDZV_ENDPOINT", "node0:29400")
+    assert torchrun_launch("cache-logits")[-7:] == ["--node_rank", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint",
+                                                     "node0:29400", "--no-python"]

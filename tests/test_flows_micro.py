@@ -66,6 +66,13 @@ def test_lisa_full_and_recalibrate_micro(tmp_path, monkeypatch):
         assert first["sample@fashion-c2i"]["metrics"]["reports/samples/fashion-c2i/metrics.json"]["images"] == 8
         assert "| fashion-c2i |" in first["estimate"]
 
+        shutil.rmtree(repo / "data/cache/fashion-c2i")  # the logit cache again, under torchrun with 2 processes
+        monkeypatch.setenv("LISA_NPROC_PER_NODE", "2")
+        cached = lisa_full(root=str(repo), stages=["cache-logits@fashion-c2i"])["cache-logits@fashion-c2i"]
+        monkeypatch.delenv("LISA_NPROC_PER_NODE")
+        assert cached["outcome"] == "ran" and cached["metrics"]["reports/cache/fashion-c2i.json"]["workers"] == 2
+        assert dvc_status(repo) == {}  # recorded; its consumers see the same identity.json
+
         params = yaml.safe_load((repo / "params.yaml").read_text())  # dvc repro first, then the flow: nothing
         params["table"]["seed"] += 1
         (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
