@@ -65,9 +65,12 @@ def select(dag: dict[str, DagStage], targets: list[str]) -> dict[str, DagStage]:
 
 
 def _env() -> dict[str, str]:
-    """The environment of the flow, with this interpreter's bin folder (dvc, lisa) first on PATH."""
+    """The environment of the flow, with this interpreter's bin folder (dvc, lisa) first on PATH, and unless set,
+    OMP_NUM_THREADS = the cores shared among the LISA_WORKERS stages that may run at once (torch would otherwise
+    start as many threads as cores in each)."""
     bin_dir = str(Path(sys.executable).parent)
-    return {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+    threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LISA_WORKERS", "2")))
+    return {"OMP_NUM_THREADS": str(threads), **os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
 
 
 def dvc(args: list[str], root: str | Path = ".") -> subprocess.CompletedProcess:
