@@ -84,6 +84,7 @@ def test_lisa_full_and_recalibrate_micro(tmp_path, monkeypatch):
         os.utime(target, None)  # a touch: same bytes, nothing to do
         assert recalibrate(root=str(repo)) == up
 
+        trained = target.read_bytes()
         model, _ = load_target(target)  # a fine-tuned target as a bare safetensors, no sidecar
         finetuned = repo / "checkpoints/fashion-finetuned.safetensors"
         finetuned.parent.mkdir()
@@ -110,7 +111,7 @@ def test_lisa_full_and_recalibrate_micro(tmp_path, monkeypatch):
         assert "has new bytes" in status["fashion-c2i"] and "calibrate@fashion-c2i" in status["rebuilt"]
         assert dvc_status(repo) == {}
 
-        target.write_bytes(finetuned.read_bytes())  # weights dropped over the target, its sidecar left stale
+        target.write_bytes(trained)  # other weights dropped over the target, its sidecar left as it was
         state = recalibrate(root=str(repo), return_state=True)
         assert state.is_failed() and "worlds.fashion-c2i.target_checkpoint" in state.message
         assert len(state.message.splitlines()) == 1
