@@ -78,7 +78,9 @@ def dvc(args: list[str], root: str | Path = ".") -> subprocess.CompletedProcess:
     cmd = [str(Path(sys.executable).parent / "dvc"), "--wait-for-lock", *args]
     proc = subprocess.run(cmd, cwd=root, env=_env(), capture_output=True, text=True)
     if proc.returncode:
-        raise RuntimeError(f"`dvc {' '.join(args)}` failed in {root}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("ERROR")]
+        raise RuntimeError(f"`dvc {' '.join(args)}` failed in {root}: {errors[-1] if errors else ''}\n"
+                           f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc
 
 
