@@ -1,53 +1,48 @@
-"""`lisa-full`: the whole DAG of dvc.yaml, in the same order, as one Prefect flow."""
+"""`lisa-full`: the DAG of dvc.yaml as one Prefect flow, with `dvc repro`'s idea of what is up to date.
+
+The task graph is read from dvc.yaml through DVC (tasks.pipeline.read_dag): a stage added there, or a world or table
+cell added to params.yaml, appears here with no edit. Each task is `dvc repro --single-item <stage>`, submitted once
+its upstream stages are done: DVC skips it when it is up to date, and records in dvc.lock what it ran, so after a
+flow run `dvc status` is clean and `dvc repro` runs nothing, as after `dvc repro` itself. Independent stages (worlds,
+table cells) run concurrently on the task runner that the settings name (flows.runners).
+"""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from prefect import flow
 
-from lisa.config import load_params
-from tasks import stages as t
+from flows.runners import task_runner
+from tasks.pipeline import dvc, read_dag, repro, select
+from tasks.stages import estimate
 
 
-@flow(name="lisa-full", log_prints=True)
-def lisa_full(params_path: str = "params.yaml", root: str = ".") -> dict:
-    """Run every stage for every world of `params_path`; outputs go under `root` (data/, reports/).
-    Built-in worlds (with a `dataset`) are trained, drafter included, and benchmarked (every decoding method); the
-    others are imported (or randomly initialised)."""
-    params_path = str(Path(root) / params_path) if not Path(params_path).is_absolute() else params_path
-    worlds = load_params(params_path).worlds
-    metrics = {"estimate": t.estimate(params_path)}  # GPU memory / time, logged before anything runs
-    for name, world in worlds.items():
-        m = metrics[name] = {}
-        if world.dataset is not None:
-            m["dataset"] = t.build_dataset(params_path, name, root)
-            m["tokenizer"] = t.train_tokenizer(params_path, name, root)
-            m["codes"] = t.encode(params_path, name, root)
-            m["target"] = t.train_target(params_path, name, root)
-            m["premise"] = t.premise(params_path, name, root)
-            m["fid_reference"] = t.fid_reference(params_path, name, root)
-            m["judge"] = t.train_judge(params_path, name, root)
-            m["evaluate"] = t.evaluate(params_path, name, root)
-            m["drafter"] = t.train_drafter(params_path, name, root)
-            m["self_generated"] = t.build_self_generated(params_path, name, root)
-            m["cache"] = t.cache_logits(params_path, name, root)
-            m["ablate_lid"] = t.ablate_lid(params_path, name, root)
-            m["calibrate"] = t.calibrate(params_path, name, root)
-            m["bench_spec"] = t.bench_spec(params_path, name, root)
-            m["cells"] = {c: t.eval_method(params_path, name, root, method=c)
-                          for c in load_params(params_path).table.cells}
-        else:
-            m["tokenizer"] = t.init_tokenizer(params_path, name, root)
-            m["target"] = t.init_target(params_path, name, root)
-        m["sample"] = t.sample(params_path, name, root)
-    laion_world = load_params(params_path).corpora.laion_world
-    if laion_world in worlds and worlds[laion_world].dataset is not None:  # the fixture needs the emoji world
-        metrics["laion_fixture"] = t.laion_fixture(params_path, root=root)
-        metrics["laion_coco"] = t.build_laion_coco(params_path, root=root)
-    if all(w.dataset is not None for w in worlds.values()):
-        metrics["table"] = t.table(params_path, root=root)
-    metrics["bench"] = t.bench(params_path, root=root)
-    return metrics
+@flow(name="lisa-full", log_prints=True, task_runner=task_runner())
+def lisa_full(root: str = ".", stages: list[str] | None = None) -> dict:
+    """Bring the stages of root/dvc.yaml (or `stages` and what they need: addresses such as calibrate@fashion-c2i,
+    or families such as eval-method) up to date. Returns {stage: {"outcome": ran | skipped | restored, "metrics":
+    {path: JSON}}} and, under "estimate", `lisa estimate` of the profile (logged before anything runs)."""
+    root = str(Path(root).resolve())  # the same path on every worker: a Dask worker elsewhere has its checkout there
+    results = {"estimate": estimate(str(Path(root) / "params.yaml"))}
+    dag = read_dag(root)
+    dag = select(dag, stages) if stages else dag
+    stale = set(json.loads(dvc(["status", "--json"], root).stdout or "{}"))
+    futures = {}
+    for name, st in dag.items():  # upstream before downstream
+        up = [futures[u] for u in st.upstream if u in futures]
+        futures[name] = repro.submit(name, root, st.metrics, stale=name in stale, upstream=up, cmd=st.cmd)
+    failed = []
+    for name, future in futures.items():
+        try:
+            results[name] = future.result()
+        except Exception as e:  # a failed stage, or one whose upstream failed: report them all
+            failed.append(f"{name}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+    if failed:
+        raise RuntimeError("stages that failed or did not run:\n  " + "\n  ".join(failed))
+    ran = sorted(n for n, r in results.items() if n != "estimate" and r["outcome"] != "skipped")
+    print(f"lisa-full: {len(ran)} of {len(dag)} stages ran: {', '.join(ran) or 'none'}")
+    return results
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """`lisa <stage>`: runs a pipeline stage through lisa.stages.run_stage (the Prefect tasks call the same function),
-prints its metrics. dvc.yaml calls these commands; `bench-gpu`, `regime`, `estimate`, `plan` and `profile` are
-tools, not stages.
+prints its metrics. dvc.yaml calls these commands, all but OUTSIDE_DVC; `bench-gpu`, `regime`, `estimate`, `plan`
+and `profile` are tools, not stages.
 """
 from __future__ import annotations
 
@@ -66,10 +66,35 @@ def cmd_regime(a):
     return None
 
 
+def _dvc_status(lock: str, out) -> str:
+    """`dvc status --json` in the folder of `lock`, through DVC's command line (lisa never imports DVC), written to
+    the file `out`."""
+    import subprocess
+    from pathlib import Path
+
+    if not Path(lock).parent.is_dir():
+        raise FileNotFoundError(f"{Path(lock).parent}: no such folder (--lock names the repository's dvc.lock)")
+    dvc = Path(sys.executable).with_name("dvc")
+    try:
+        proc = subprocess.run([str(dvc if dvc.is_file() else "dvc"), "status", "--json"], capture_output=True,
+                              text=True, cwd=Path(lock).parent)
+    except FileNotFoundError as e:
+        raise FileNotFoundError("dvc not found: install lisa[pipeline], or pass --status <file of `dvc status "
+                                "--json`>") from e
+    if proc.returncode:
+        raise ValueError(f"`dvc status --json` failed: {proc.stderr.strip().splitlines()[-1:]}")
+    Path(out).write_text(proc.stdout)
+    return str(out)
+
+
 def cmd_plan(a):
+    import tempfile
+
     from lisa.stages.plan import main as plan
 
-    sys.stdout.write("".join(line + "\n" for line in plan(a.status, a.lock)))
+    with tempfile.TemporaryDirectory() as tmp:
+        status = a.status or _dvc_status(a.lock, f"{tmp}/status.json")
+        sys.stdout.write("".join(line + "\n" for line in plan(status, a.lock)))
     return None
 
 
@@ -138,6 +163,11 @@ COMMANDS = {
               "-> reports/table.{md,json}, reports/pareto.png (--out: their folder)", []),
 }
 
+# commands of COMMANDS that are not dvc.yaml stages: run by hand (tests/test_flows.py checks the rest against
+# dvc.yaml)
+OUTSIDE_DVC = ("init-target", "init-tokenizer", "bench-ddp")
+TOOLS = ("bench-gpu", "regime", "estimate", "plan", "profile")
+
 # option -> (flag, add_argument keywords); `dest` is the run_stage option it sets
 OPTIONS = {
     "dataset": ("--dataset", dict(dest="dataset_dir", help="dataset folder (default: data/datasets/<world>)")),
@@ -177,9 +207,10 @@ def _add_stages(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lisa", description="LISA: locality-informed speculative decoding for "
-                                     "AR image generation. Each command but bench-gpu, regime, estimate, plan and "
-                                     "profile is one pipeline stage of dvc.yaml, of the same name.")
+    parser = argparse.ArgumentParser(
+        prog="lisa", description="LISA: locality-informed speculative decoding for AR image generation. Each command "
+        f"but {', '.join(OUTSIDE_DVC + TOOLS)} is one pipeline stage of dvc.yaml, of the same name; "
+        f"{', '.join(OUTSIDE_DVC)} are stages run by hand (not in dvc.yaml); {', '.join(TOOLS)} are tools.")
     parser.add_argument("--version", action="version", version=f"lisa {__version__}")
     sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
     _add_stages(sub)
@@ -225,9 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default=None, help="default: cpu")
     s.add_argument("--out", default=None, help="report path without suffix (default reports/regime/regime)")
     s.set_defaults(fn=cmd_regime)
-    s = sub.add_parser("plan", help="what `make run` (dvc repro) will do: the stages it runs and why, the committed "
-                       "release artifacts it reuses, the expected time (reads `dvc status --json` output)")
-    s.add_argument("--status", required=True, help="a file holding the output of `dvc status --json`")
+    s = sub.add_parser("plan", help="what `make run` (dvc repro) or the flow lisa-full will do: the stages it runs "
+                       "and why, the committed release artifacts it reuses, the expected time (runs `dvc status "
+                       "--json` in the lock's folder, or reads its output from --status)")
+    s.add_argument("--status", default=None, help="a file holding the output of `dvc status --json` (default: run it)")
     s.add_argument("--lock", default="dvc.lock")
     s.set_defaults(fn=cmd_plan)
     p = sub.add_parser("profile", help="print a named params profile (micro, real) to stdout")

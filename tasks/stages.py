@@ -1,12 +1,13 @@
 """One Prefect task per pipeline stage, named after it: each calls lisa.stages.run_stage, the function `lisa <stage>`
-(and so dvc.yaml) calls, with the same params file, world and root. Tasks pass paths and metrics, never models."""
+(and so dvc.yaml) calls, with the same params file, world and root. Tasks pass paths and metrics, never models.
+They run a stage unconditionally, for a flow of your own; `lisa-full` runs dvc.yaml's stages through DVC instead
+(tasks.pipeline.repro), so that what is up to date is skipped and dvc.lock records what ran."""
 from __future__ import annotations
 
 from prefect import task
 
 from lisa.config import load_params
-from lisa.stages import WorldPaths, run_stage
-from lisa.stages.drafter import needs_recalibration as _needs_recalibration
+from lisa.stages import run_stage
 
 
 def stage_task(name: str):
@@ -42,13 +43,6 @@ bench = stage_task("bench")
 bench_spec = stage_task("bench-spec")
 eval_method = stage_task("eval-method")
 table = stage_task("table")
-
-
-@task(name="needs-recalibration")
-def needs_recalibration(world: str, root: str = ".") -> str | None:
-    """Why the world's calibration no longer fits its target checkpoint (None if it does)."""
-    paths = WorldPaths.of(world, root)
-    return _needs_recalibration(paths.target_file, paths.calibration_dir)
 
 
 @task(name="estimate")

@@ -1,0 +1,196 @@
+"""The pipeline as dvc.yaml defines it, read through DVC, and the Prefect task that runs one of its stages the way
+`dvc repro` does.
+
+`read_dag` expands foreach / matrix items and derives the edges from deps and outs with DVC's own code, so the flow
+has no copy of the DAG. `repro` runs `dvc repro --single-item <stage>`: DVC skips a stage it finds up to date,
+otherwise runs its command (`lisa <stage> ...`, i.e. lisa.stages.run_stage) and records it in dvc.lock. DVC holds
+its repository lock while it checks and records, and releases it while the command runs, so independent stages run
+concurrently (`--wait-for-lock` queues the short locked parts)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from prefect import task
+
+
+@dataclass(frozen=True)
+class DagStage:
+    """One stage of dvc.yaml after foreach / matrix expansion."""
+    name: str                    # DVC's address: build-dataset@fashion-c2i, eval-method@fashion-c2i-vanilla
+    cmd: str
+    upstream: tuple[str, ...]    # stages whose outs it depends on
+    metrics: tuple[str, ...]     # its metrics files, relative to the repository root
+
+    @property
+    def family(self) -> str:
+        return self.name.split("@")[0]
+
+
+def read_dag(root: str | Path = ".") -> dict[str, DagStage]:
+    """Every stage of root/dvc.yaml, upstream before downstream (DVC's own graph)."""
+    import networkx as nx
+    from dvc.repo import Repo
+
+    root = Path(root).resolve()
+
+    def address(stage) -> str:  # as `dvc repro` takes it in root: name, or path/dvc.yaml:name
+        where = Path(stage.dvcfile.path).resolve().relative_to(root)
+        return stage.name if where == Path("dvc.yaml") else f"{where}:{stage.name}"
+
+    with Repo(str(root)) as repo:
+        graph = repo.index.graph  # edge (stage, a stage whose outs it depends on)
+        order = list(reversed(list(nx.topological_sort(graph))))
+        return {address(s): DagStage(address(s), s.cmd, tuple(sorted(address(u) for u in graph.successors(s))),
+                                     tuple(str(o.def_path) for o in s.outs if o.metric))
+                for s in order if s.cmd}
+
+
+def select(dag: dict[str, DagStage], targets: list[str]) -> dict[str, DagStage]:
+    """The stages `targets` name (an address, or a family: every item of a foreach / matrix) and those they need."""
+    unknown = [t for t in targets if not any(t in (s.name, s.family) for s in dag.values())]
+    if unknown:
+        raise ValueError(f"no stage {', '.join(unknown)} in dvc.yaml; stages: {sorted({s.family for s in dag.values()})}")
+    keep = {s.name for s in dag.values() if s.name in targets or s.family in targets}
+    for name in reversed(list(dag)):  # downstream first: add what each kept stage needs
+        if name in keep:
+            keep.update(dag[name].upstream)
+    return {n: s for n, s in dag.items() if n in keep}
+
+
+def _env() -> dict[str, str]:
+    """The environment of the flow, with this interpreter's bin folder (dvc, lisa) first on PATH, and unless set,
+    OMP_NUM_THREADS = the cores shared among the LISA_WORKERS stages that may run at once (torch would otherwise
+    start as many threads as cores in each)."""
+    bin_dir = str(Path(sys.executable).parent)
+    threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LISA_WORKERS", "2")))
+    return {"OMP_NUM_THREADS": str(threads), **os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+
+
+def dvc(args: list[str], root: str | Path = ".") -> subprocess.CompletedProcess:
+    """`dvc <args>` in `root` (waits for DVC's lock); raises with DVC's output on failure."""
+    cmd = [str(Path(sys.executable).parent / "dvc"), "--wait-for-lock", *args]
+    proc = subprocess.run(cmd, cwd=root, env=_env(), capture_output=True, text=True)
+    if proc.returncode:
+        errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("ERROR")]
+        raise RuntimeError(f"`dvc {' '.join(args)}` failed in {root}: {errors[-1] if errors else ''}\n"
+                           f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def outcome(stage: str, log: str) -> str:
+    """What `dvc repro --single-item stage` did, from its log: "ran", "skipped" (up to date) or "restored" (from
+    DVC's run cache)."""
+    quoted = re.escape(f"'{stage}'")
+    if re.search(rf"Stage {quoted} didn't change, skipping", log):
+        return "skipped"
+    if re.search(rf"Stage {quoted} is cached - skipping run, checking out outputs", log):
+        return "restored"
+    return "ran"
+
+
+# stages that train or cache across processes under torchrun (DDP / sharded), and the settings of their launch
+TORCHRUN_STAGES = ("cache-logits", "train-drafter")
+
+
+def torchrun_launch(family: str) -> list[str]:
+    """`torchrun ... --no-python` for a stage of TORCHRUN_STAGES, from the settings LISA_NPROC_PER_NODE (processes
+    per machine; default 1: no torchrun) and LISA_NNODES (machines; default 1), with LISA_RDZV_ENDPOINT (host:port
+    of node 0) and LISA_NODE_RANK when there are several; [] for a plain process."""
+    nproc, nnodes = int(os.environ.get("LISA_NPROC_PER_NODE", "1")), int(os.environ.get("LISA_NNODES", "1"))
+    if family not in TORCHRUN_STAGES or nproc * nnodes == 1:
+        return []
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(nproc), "--nnodes", str(nnodes)]
+    if nnodes == 1:
+        return cmd + ["--standalone", "--no-python"]
+    return cmd + ["--node_rank", os.environ.get("LISA_NODE_RANK", "0"), "--rdzv_backend", "c10d",
+                  "--rdzv_endpoint", os.environ["LISA_RDZV_ENDPOINT"], "--no-python"]
+
+
+def _repro_torchrun(stage: str, cmd: str, launch: list[str], root: str) -> str:
+    """What `dvc repro --single-item` does, with the stage's command under torchrun: skip it if DVC finds it up to
+    date, else run it and record it in dvc.lock (`dvc commit`)."""
+    if stage not in json.loads(dvc(["status", "--json", stage], root).stdout or "{}"):
+        return "skipped"
+    proc = subprocess.run(launch + shlex.split(cmd), cwd=root, env=_env(), capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"`{' '.join(launch)} {cmd}` failed in {root}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    dvc(["commit", "--force", stage], root)
+    return "ran"
+
+
+@task(name="repro", task_run_name="{stage}")
+def repro(stage: str, root: str = ".", metrics: tuple[str, ...] = (), stale: bool = True,
+          upstream: list[dict] | None = None, cmd: str = "") -> dict:
+    """`dvc repro --single-item stage` in `root`: {"stage", "outcome": ran | skipped | restored, "metrics": {path:
+    its JSON}}. `upstream`: the results of the stages it depends on, run first. A stage that `dvc status` found up
+    to date before the flow started (stale=False), none of whose upstream stages has run since, is still up to
+    date: it is skipped without asking DVC again. A stage of TORCHRUN_STAGES runs its command `cmd` under
+    torchrun when the settings ask for several processes (torchrun_launch)."""
+    launch = torchrun_launch(stage.split("@")[0])
+    if not stale and all(u["outcome"] == "skipped" for u in upstream or []):
+        done = "skipped"
+    elif launch:
+        done = _repro_torchrun(stage, cmd, launch, root)
+    else:
+        proc = dvc(["repro", "--single-item", stage], root)
+        done = outcome(stage, proc.stdout + proc.stderr)
+    print(f"{stage}: {done}")
+    read = {m: json.loads((Path(root) / m).read_text()) for m in metrics if (Path(root) / m).is_file()}
+    return {"stage": stage, "outcome": done, "metrics": read}
+
+
+@task(name="new-target")
+def new_target(world: str, root: str = ".") -> dict:
+    """{"changed": why the world's target checkpoint changed, or None} after making the change DVC's, so that the
+    DAG then rebuilds what depends on it; {"refused": one line} instead when the target cannot be used:
+    - `worlds.<world>.target_checkpoint` set (an official .pt, a bare .safetensors, a transformers folder) and its
+      bytes differ from those the target was imported from: `dvc repro --force` of train-target imports it (it
+      writes the sidecar) and records it (a changed path needs nothing: DVC sees the param);
+    - data/target/<world>/model.safetensors replaced by a file in lisa's format (its sidecar matches its bytes)
+      that the calibration was not made for: `dvc commit` records it as train-target's output.
+    A target whose bytes disagree with its sidecar (or that has none) is refused: the line says what to do."""
+    from lisa.checkpoint import CheckpointError
+    try:
+        return {"changed": _new_target(world, root)}
+    except CheckpointError as e:
+        return {"refused": str(e)}
+
+
+def _new_target(world: str, root: str = ".") -> str | None:
+    from lisa.checkpoint import CheckpointError, file_sha256, sidecar_path
+    from lisa.config import load_params
+    from lisa.stages import WorldPaths
+    from lisa.stages.drafter import needs_recalibration
+
+    w = load_params(Path(root) / "params.yaml").world(world)
+    paths = WorldPaths.of(world, root)
+    if not (paths.target_file.is_file() and (paths.calibration_dir / "calibration.json").is_file()):
+        return None  # not built yet: lisa-full builds it
+    side = sidecar_path(paths.target_file)
+    meta = json.loads(side.read_text()) if side.is_file() else {}
+    if meta.get("sha256") != file_sha256(paths.target_file):
+        raise CheckpointError(
+            f"{paths.target_file}: its bytes are not those its sidecar {side.name} records (or it has none): to use "
+            f"new weights (a .pt or a .safetensors), name the file in params.yaml at worlds.{world}.target_checkpoint "
+            f"and run again; to go back, `git checkout {paths.target_dir}`")
+    if w.target_checkpoint:
+        made = meta.get("made_from", {})
+        if made.get("llamagen_checkpoint") != w.target_checkpoint:  # DVC sees the param: train-target imports it
+            return f"worlds.{world}.target_checkpoint now names {w.target_checkpoint}"
+        ckpt = Path(w.target_checkpoint) if Path(w.target_checkpoint).is_absolute() else Path(root) / w.target_checkpoint
+        now = file_sha256(ckpt) if ckpt.is_file() else None  # a transformers folder: DVC's params only
+        if now is None or made.get("sha256") == now:
+            return None
+        dvc(["repro", "--force", "--single-item", f"train-target@{world}"], root)
+        return f"{w.target_checkpoint} has new bytes (sha256 {now[:12]}, imported {made.get('sha256', '')[:12]})"
+    why = needs_recalibration(paths.target_file, paths.calibration_dir)
+    if why is not None:
+        dvc(["commit", "--force", f"train-target@{world}"], root)
+    return why

@@ -1,0 +1,117 @@
+"""The Prefect flows on the micro profile, end to end: `lisa-full` leaves what `dvc repro` leaves (dvc.lock current,
+`dvc repro` then runs nothing, and after a `dvc repro` the flow runs nothing), and `recalibrate` imports a fine-tuned
+checkpoint without a sidecar and rebuilds exactly what DVC finds stale, or refuses a target whose bytes disagree with
+its sidecar in one line."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lisa.config import profile_text
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def run(cmd, cwd) -> str:
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout + proc.stderr
+
+
+def dvc_status(repo) -> dict:
+    return json.loads(run([str(BIN / "dvc"), "status", "--json"], repo) or "{}")
+
+
+def micro_clone(tmp_path: Path) -> Path:
+    """This checkout's pipeline (dvc.yaml, lisa/, .dvc/config) in a new git repository, on the micro profile."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for name in ["dvc.yaml", ".dvcignore"]:
+        shutil.copy(ROOT / name, repo / name)
+    (repo / ".dvc").mkdir()
+    shutil.copy(ROOT / ".dvc" / "config", repo / ".dvc" / "config")
+    shutil.copytree(ROOT / "lisa", repo / "lisa", ignore=shutil.ignore_patterns("__pycache__"))
+    (repo / "params.yaml").write_text(profile_text("micro"))
+    run(["git", "init", "-q"], repo)
+    return repo
+
+
+def ran(results: dict) -> set[str]:
+    return {n for n, r in results.items() if n != "estimate" and r["outcome"] != "skipped"}
+
+
+@pytest.mark.slow
+def test_lisa_full_and_recalibrate_micro(tmp_path, monkeypatch):
+    from prefect.testing.utilities import prefect_test_harness
+    from safetensors.torch import save_file
+
+    from flows.lisa_full import lisa_full
+    from flows.recalibrate import recalibrate
+    from lisa.checkpoint import file_sha256
+    from lisa.models.llamagen import load_target
+
+    repo = micro_clone(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", str(repo))  # the stages' `lisa` runs the clone's code
+    with prefect_test_harness(server_startup_timeout=180):
+        first = lisa_full(root=str(repo))
+        assert ran(first) == set(first) - {"estimate"}  # micro params: every stage runs once
+        assert dvc_status(repo) == {} and "Running stage" not in run([str(BIN / "dvc"), "repro"], repo)
+        assert first["sample@fashion-c2i"]["metrics"]["reports/samples/fashion-c2i/metrics.json"]["images"] == 8
+        assert "| fashion-c2i |" in first["estimate"]
+
+        shutil.rmtree(repo / "data/cache/fashion-c2i")  # the logit cache again, under torchrun with 2 processes
+        monkeypatch.setenv("LISA_NPROC_PER_NODE", "2")
+        cached = lisa_full(root=str(repo), stages=["cache-logits@fashion-c2i"])["cache-logits@fashion-c2i"]
+        monkeypatch.delenv("LISA_NPROC_PER_NODE")
+        assert cached["outcome"] == "ran" and cached["metrics"]["reports/cache/fashion-c2i.json"]["workers"] == 2
+        assert dvc_status(repo) == {}  # recorded; its consumers see the same identity.json
+
+        params = yaml.safe_load((repo / "params.yaml").read_text())  # dvc repro first, then the flow: nothing
+        params["table"]["seed"] += 1
+        (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        assert "Running stage 'eval-method@" in run([str(BIN / "dvc"), "repro"], repo)
+        assert ran(lisa_full(root=str(repo))) == set()
+
+        up = {"fashion-c2i": "up to date", "emoji-t2i": "up to date"}
+        target = repo / "data/target/fashion-c2i/model.safetensors"
+        os.utime(target, None)  # a touch: same bytes, nothing to do
+        assert recalibrate(root=str(repo)) == up
+
+        trained = target.read_bytes()
+        model, _ = load_target(target)  # a fine-tuned target as a bare safetensors, no sidecar
+        finetuned = repo / "checkpoints/fashion-finetuned.safetensors"
+        finetuned.parent.mkdir()
+        save_file({k: (v * 1.5 if k == "output.weight" else v).contiguous() for k, v in model.state_dict().items()
+                   if not k.startswith(("freqs_cis", "causal_mask"))}, str(finetuned))
+        params["worlds"]["fashion-c2i"]["target_checkpoint"] = "checkpoints/fashion-finetuned.safetensors"
+        (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        stale = set(dvc_status(repo))
+        status = recalibrate(root=str(repo))
+        assert "target_checkpoint now names" in status["fashion-c2i"] and status["emoji-t2i"] == "up to date"
+        assert dvc_status(repo) == {}
+        rebuilt = set(status["rebuilt"])
+        assert {"train-target@fashion-c2i", "calibrate@fashion-c2i", "cache-logits@fashion-c2i"} <= rebuilt
+        assert stale <= rebuilt and not any("emoji-t2i" in s for s in rebuilt)
+        new_sha = file_sha256(target)
+        cal = json.loads((repo / "data/calibration/fashion-c2i/calibration.json").read_text())
+        assert cal["made_from"]["target_sha256"] == new_sha
+        assert json.loads(target.with_suffix(".json").read_text())["made_from"]["sha256"] == file_sha256(finetuned)
+
+        with finetuned.open("r+b") as f:  # the same path, new bytes: imported again
+            f.seek(-4, 2)
+            f.write(b"\x00\x00\x80\x3f")
+        status = recalibrate(root=str(repo))
+        assert "has new bytes" in status["fashion-c2i"] and "calibrate@fashion-c2i" in status["rebuilt"]
+        assert dvc_status(repo) == {}
+
+        target.write_bytes(trained)  # other weights dropped over the target, its sidecar left as it was
+        state = recalibrate(root=str(repo), return_state=True)
+        assert state.is_failed() and "worlds.fashion-c2i.target_checkpoint" in state.message
+        assert len(state.message.splitlines()) == 1
