@@ -46,9 +46,17 @@ def cmd_estimate(a):
 def cmd_regime(a):
     from pathlib import Path
 
-    from lisa.bench.regime import RegimeConfig, bench_reports, regime, regime_markdown, shape_config
+    from lisa.bench.regime import RegimeConfig, bench_reports, regime, regime_markdown, reprice, shape_config
     from lisa.checkpoint import atomic_write, write_json
 
+    out = Path(a.out or "reports/regime/regime")
+    if a.reprice:  # the stored measurements, priced against the current bench reports
+        r = reprice(json.loads(out.with_suffix(".json").read_text()), bench_reports(Path(a.bench)))
+        text = regime_markdown(r)
+        write_json(out.with_suffix(".json"), r)
+        atomic_write(out.with_suffix(".md"), lambda tmp: Path(tmp).write_text(text))
+        print(text)
+        return None
     rc = RegimeConfig(**{k: v for k, v in dict(shapes=a.shapes, dtypes=a.dtypes, modes=a.modes, repeats=a.repeats,
                                                 threads=a.threads, compile_budget_s=a.compile_budget,
                                                 time_budget_s=a.time_budget, compile_shapes=a.compile_shapes).items()
@@ -59,7 +67,6 @@ def cmd_regime(a):
     r = regime(rc, shapes, bench_reports(Path(a.bench)), device=a.device, log=log)
     text = regime_markdown(r)
     print(text)
-    out = Path(a.out or "reports/regime/regime")
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out.with_suffix(".json"), r)
     atomic_write(out.with_suffix(".md"), lambda tmp: Path(tmp).write_text(text))
@@ -255,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--bench", default="reports/bench", help="bench-spec reports whose methods are priced")
     s.add_argument("--device", default=None, help="default: cpu")
     s.add_argument("--out", default=None, help="report path without suffix (default reports/regime/regime)")
+    s.add_argument("--reprice", action="store_true", help="time nothing: price the methods of the current bench "
+                   "reports on the regimes stored in --out's JSON")
     s.set_defaults(fn=cmd_regime)
     s = sub.add_parser("plan", help="what `make run` (dvc repro) or the flow lisa-full will do: the stages it runs "
                        "and why, the committed release artifacts it reuses, the expected time (runs `dvc status "

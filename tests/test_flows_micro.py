@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lisa.config import profile_text
+from tests.test_pipeline import micro_repo
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -31,16 +31,7 @@ def dvc_status(repo) -> dict:
 
 def micro_clone(tmp_path: Path) -> Path:
     """This checkout's pipeline (dvc.yaml, lisa/, .dvc/config) in a new git repository, on the micro profile."""
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    for name in ["dvc.yaml", ".dvcignore"]:
-        shutil.copy(ROOT / name, repo / name)
-    (repo / ".dvc").mkdir()
-    shutil.copy(ROOT / ".dvc" / "config", repo / ".dvc" / "config")
-    shutil.copytree(ROOT / "lisa", repo / "lisa", ignore=shutil.ignore_patterns("__pycache__"))
-    (repo / "params.yaml").write_text(profile_text("micro"))
-    run(["git", "init", "-q"], repo)
-    return repo
+    return micro_repo(tmp_path)
 
 
 def ran(results: dict) -> set[str]:

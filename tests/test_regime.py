@@ -96,3 +96,20 @@ def test_compile_shapes():
     rc = small(modes=["eager", "compiled"], dtypes=["fp32"], compile_shapes=[])
     s = regime(rc, {"micro": (gpt_config("GPT-micro", **TINY), "test")}, {})["shapes"]["micro"]
     assert set(s["regimes"]) == {"fp32/eager"} and "not one of the compile shapes" in s["notes"][0]
+
+
+def test_reprice_prices_new_bench_reports_on_the_stored_regimes():
+    """--reprice times nothing: the stored t(N) / q ratios, the methods of the newer report."""
+    from lisa.bench.regime import reprice
+
+    r = json.loads(json.dumps(regime(small(), {"micro": (gpt_config("GPT-micro", **TINY), "test")}, {"toy": BENCH})))
+    newer = json.loads(json.dumps(BENCH))
+    newer["methods"][2]["tau"] = 5.0
+    again = reprice(r, {"toy": newer})
+    assert again["shapes"]["micro"]["regimes"] == {
+        k: v | {"allowed_speedup": again["shapes"]["micro"]["regimes"][k]["allowed_speedup"]}
+        for k, v in r["shapes"]["micro"]["regimes"].items()}
+    for k, reg in again["shapes"]["micro"]["regimes"].items():
+        old = r["shapes"]["micro"]["regimes"][k]["allowed_speedup"]["toy"]["sampled"]
+        assert reg["allowed_speedup"]["toy"]["sampled"] == pytest.approx(2 * old)
+        assert reg["allowed_speedup"]["toy"]["chain"] == r["shapes"]["micro"]["regimes"][k]["allowed_speedup"]["toy"]["chain"]

@@ -320,6 +320,17 @@ def regime(rc: RegimeConfig, shapes: dict[str, tuple[GPTConfig, str]], benches: 
     return report
 
 
+def reprice(report: dict, benches: dict[str, dict]) -> dict:
+    """A stored regime report with its methods priced again from newer bench-spec reports (no timing: the regimes
+    are the stored measurements)."""
+    report = copy.deepcopy(report) | {"methods": {w: method_rows(b) for w, b in benches.items()}}
+    for s in report["shapes"].values():
+        for reg in s["regimes"].values():
+            reg["allowed_speedup"] = {w: {r["name"]: allowed_speedup(r, reg) for r in rows}
+                                      for w, rows in report["methods"].items()}
+    return report
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the markdown
 
