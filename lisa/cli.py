@@ -125,7 +125,7 @@ COMMANDS = {
     "init-tokenizer": ("build a world's VQ tokenizer: random init, or import an official vq_ds16_*.pt "
                        "-> data/tokenizer/<world>/tokenizer.safetensors", []),
     "sample": ("sample a grid, one row per class or prompt, with a decoding method (params sample.method: vanilla "
-               "or a verifier) -> reports/samples/<world>/", ["target", "tokenizer", "drafter", "method"]),
+               "or a verifier) -> reports/samples/<world>/", ["target", "tokenizer", "drafter", "method", "compile"]),
     "premise": ("LISA's premise on held-out data: entropy, top-1 prob, codebook-neighbourhood mass "
                 "-> reports/premise/<world>.json (--out: the JSON)", []),
     "fid-reference": ("held-out Inception features and reference FID / KID (train, VQ reconstructions, unigram) "
@@ -165,7 +165,7 @@ COMMANDS = {
                   "reports/calibration/<world>.json", ["target", "cache"]),
     "eval-method": ("one quality cell of the results table: samples decoded with a method of params table.cells, "
                     "FID / KID, judge score, tau and the measured TV relaxation "
-                    "-> reports/quality/<world>/methods/<method>.{json,png}", ["cell"]),
+                    "-> reports/quality/<world>/methods/<method>.{json,png}", ["cell", "compile"]),
     "table": ("the results table and the tau-FID Pareto plot from bench-spec and eval-method "
               "-> reports/table.{md,json}, reports/pareto.png (--out: their folder)", []),
 }
@@ -195,6 +195,9 @@ OPTIONS = {
     "method": ("--method", dict(help="vanilla (default: params sample.method), or a verifier: greedy, exact, lantern, "
                                      "gasv (with a drafter; gasv reads data/calibration/<world>), sjd, gsd")),
     "cell": ("--method", dict(required=True, help="a key of params table.cells")),
+    "compile": ("--compile", dict(action="store_true", help="the target's and the drafter's forwards under "
+                                  "torch.compile (static shapes; graphs compile on first use; default: params "
+                                  "sample.compile / table.compile)")),
     "metadata": ("--metadata", dict(help="folder of LAION-COCO metadata .parquet (default: params corpora)")),
     "images": ("--images", dict(help="img2dataset output folder (default: params corpora)")),
 }

@@ -215,11 +215,11 @@ class DecodeMethod(DraftTree, _Method):
         """The SpecConfig of a tree-verified method, None for vanilla / sjd / gsd."""
         return self.spec_config(self.method) if self.drafts_tree else None
 
-    def decoder(self, target, drafter=None, geometry=None, measure: bool = False) -> Callable:
+    def decoder(self, target, drafter=None, geometry=None, measure: bool = False, compile: bool = False) -> Callable:
         """(cond, sampling, generator, cond_mask=None, forced=None) -> (tokens, stats) decoding with this method
-        (lisa.decoding.generate.decoder)."""
+        (lisa.decoding.generate.decoder; compile: the forwards under torch.compile)."""
         return decoder(target, self.method, drafter, self.spec(), self.window, geometry, self.verifier_options(),
-                       measure)
+                       measure, compile)
 
 
 @dataclass(config=STRICT)
@@ -233,6 +233,7 @@ class SampleParams(SamplingParams, DecodeMethod):
     per_class: int = 4
     batch_size: int = 8
     neighbours: int = 32  # geometry: nearest codes kept per code (lantern, gsd)
+    compile: bool = False  # the forwards under torch.compile (lisa.decoding.generate.compiled)
 
     @field_validator("drafter")
     @classmethod
@@ -385,6 +386,23 @@ class AutoTreeParams:
 
 
 @dataclass(config=STRICT)
+class ThroughputParams:
+    """Images per second at several batch sizes (lisa.bench.speed.bench_throughput): the quality runs decode in
+    batches, where each row accepts its own length."""
+    batch_sizes: list[int] = Field(default_factory=lambda: [1, 4, 16])
+    methods: list[str] = Field(default_factory=list)  # bench_spec.methods names (vanilla first); empty: skipped
+    repeats: int = 2  # timed passes (median) after one warm-up pass
+    compiled: bool = False  # also the compiled forwards, for the methods bench_spec.compiled names
+
+    @field_validator("batch_sizes")
+    @classmethod
+    def _positive(cls, v: list[int]) -> list[int]:
+        if any(b < 1 for b in v):
+            raise ValueError(f"batch sizes must be >= 1, got {v}")
+        return v
+
+
+@dataclass(config=STRICT)
 class BenchSpecParams(SamplingParams):
     """Speculative decoding benchmark of a world's target and drafter: every method on the same conditions
     (sample.classes / sample.prompts) with the same seeds, interleaved after a warm-up."""
@@ -396,6 +414,9 @@ class BenchSpecParams(SamplingParams):
     threads: int = 0  # torch threads; 0 = torch's default
     methods: list[BenchMethod] = Field(default_factory=lambda: [BenchMethod("vanilla")])
     auto: AutoTreeParams = Field(default_factory=AutoTreeParams)
+    # methods (names) also timed with their forwards under torch.compile, against compiled vanilla
+    compiled: list[str] = Field(default_factory=list)
+    throughput: ThroughputParams = Field(default_factory=ThroughputParams)
 
 
 @dataclass(config=STRICT)
@@ -426,6 +447,7 @@ class TableParams(SamplingParams):
     the judge's score and the measured TV relaxation from an `eval-method` cell of `num_samples` samples."""
     num_samples: int = 200
     batch_size: int = 50
+    compile: bool = False  # decode with the forwards under torch.compile (lisa.decoding.generate.compiled)
     rows: list[str] = Field(default_factory=lambda: ["vanilla"])  # table rows: names in cells and bench_spec.methods
     pareto: list[str] = Field(default_factory=list)  # cells on the tau-FID plot (a kappa / lambda sweep)
     cells: dict[str, TableCell] = Field(default_factory=lambda: {"vanilla": TableCell()})

@@ -2,7 +2,9 @@
 import torch
 
 from lisa.bench.speed import bench_speculative, speculative_markdown
-from lisa.config import AutoTreeParams, BenchMethod
+import pytest
+
+from lisa.config import AutoTreeParams, BenchMethod, ThroughputParams
 from lisa.models.drafter import DrafterConfig, build_drafter
 from lisa.decoding.sampling import SamplingConfig
 from lisa.decoding.verify import Geometry
@@ -20,7 +22,7 @@ METHODS = [
 ]
 
 
-def run_bench(sampling, repeats=1):
+def run_bench(sampling, repeats=1, **kw):
     torch.manual_seed(0)
     target = micro_gpt(vocab_size=8)
     drafter = build_drafter(DrafterConfig.for_target(target.config)).eval()
@@ -28,7 +30,7 @@ def run_bench(sampling, repeats=1):
     conditions = [{"label": f"class {c}", "cond": torch.tensor([c])} for c in (1, 4, 7)]
     auto = AutoTreeParams(max_depth=3, sizes=[1, 2, 4, 8], calib_conditions=2, reps=1)
     return bench_speculative(target, drafter, conditions, METHODS, sampling, repeats=repeats, warmup=1, seed=0,
-                             geometry=geometry, auto=auto, vq_decode=lambda t: t.float(), progress=False)
+                             geometry=geometry, auto=auto, vq_decode=lambda t: t.float(), progress=False, **kw)
 
 
 def test_greedy_bench_every_method_emits_vanillas_tokens():
@@ -51,14 +53,36 @@ def test_greedy_bench_every_method_emits_vanillas_tokens():
 
 
 def test_sampling_bench_report_and_markdown():
-    report = run_bench(SamplingConfig(temperature=1.0, top_k=6, cfg_scale=2.0))
+    tp = ThroughputParams(batch_sizes=[1, 3], methods=["vanilla", "exact-chain", "sjd"], repeats=1)
+    report = run_bench(SamplingConfig(temperature=1.0, top_k=6, cfg_scale=2.0), throughput=tp)
     md = speculative_markdown(report, "micro")
+    rows = {(r["batch"], r["method"]): r for r in report["throughput"]["rows"]}
+    assert set(rows) == {(b, n) for b in (1, 3) for n in tp.methods} and {r["mode"] for r in rows.values()} == {"eager"}
+    assert all(r["images_per_s"] > 0 for r in rows.values()) and rows[3, "vanilla"]["speedup"] == 1.0
+    assert rows[3, "sjd"]["tau"] > 1.0 and "Throughput: images per second" in md and "| exact-chain | eager |" in md
+    assert report["compiled"] == [] and len(report["bare_forward_ms_all"][4]) == 1
     for m in METHODS:
         assert f"| {m.name} |" in md
     assert "Auto tree for greedy-auto: " in md and "x predicted" in md and "Acceptance length per round" in md
     ms = {m["name"]: m for m in report["methods"]}
     assert ms["sjd"]["drafter_share"] == 0.0 and ms["exact-tree"]["drafter_share"] > 0.0
     assert 0.0 < ms["exact-tree"]["target_share"] < 1.0
+
+
+@pytest.mark.slow
+def test_compiled_rows_beside_the_eager_ones():
+    """bench_spec.compiled: the named methods and vanilla also run with compiled forwards, in the same passes; each
+    mode's speedup is against its own vanilla; the graphs compile in the warm-up (a compile time per method)."""
+    report = run_bench(SamplingConfig(temperature=0.0, cfg_scale=2.0), compiled=["exact-chain", "sjd"])
+    rows = {c["name"]: c for c in report["compiled"]}
+    assert list(rows) == ["vanilla", "exact-chain", "sjd"] and rows["vanilla"]["speedup"] == 1.0
+    assert rows["vanilla"]["compile_s"] > 0 and all(r["ms_per_image"] > 0 for r in rows.values())
+    # greedy: the compiled loops accept what the eager ones do
+    assert rows["exact-chain"]["tau"] == rows["exact-chain"]["eager_tau"] and rows["sjd"]["tau"] > 1.0
+    md = speculative_markdown(report, "micro")
+    assert "Eager and compiled, side by side" in md and "| exact-chain |" in md
+    with pytest.raises(ValueError, match="not methods of this bench"):
+        run_bench(SamplingConfig(temperature=0.0), compiled=["nope"])
 
 
 def test_gpu_bench_runs_small_on_the_cpu():

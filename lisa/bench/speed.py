@@ -10,7 +10,7 @@ import math
 import statistics
 import time
 from dataclasses import replace
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from tqdm import tqdm
@@ -198,13 +198,18 @@ def breakdown_pass(target: Transformer, drafters: dict, decoders: dict, methods:
 
 def bench_speculative(target: Transformer, drafter, conditions: list[dict], methods: list, sampling: SamplingConfig,
                       repeats: int, warmup: int, seed: int, geometry=None, auto=None,
-                      vq_decode: Optional[Callable] = None, progress: bool = True) -> dict:
+                      vq_decode: Optional[Callable] = None, progress: bool = True,
+                      compiled: Sequence[str] = (), throughput=None) -> dict:
     """Time every method on every condition batch, interleaved (the method order rotates each pass), after
     `warmup` passes. drafter: one drafter, or {BenchMethod.drafter: drafter} when methods use different ones.
     conditions: dicts {"label", "cond" (b, ...), "cond_mask" or None}; methods: lisa.config.BenchMethod (a named
     DecodeMethod). Each (condition, pass) has one seed
     shared by all methods. A method with tree "auto" is first resolved by the cost model (lisa.decoding.costmodel) on the
-    first `auto.calib_conditions` conditions. Returns the report dict (see `speculative_markdown`)."""
+    first `auto.calib_conditions` conditions. compiled: names of methods also timed with their forwards under
+    torch.compile (lisa.decoding.generate.compiled), in the same interleaved passes, against compiled vanilla
+    (which joins them); their graphs compile in the warm-up pass. The bare forwards (the loop's limit) are timed
+    inside every timed pass, next to the loops they bound. throughput: lisa.config.ThroughputParams (images per
+    second at several batch sizes) or None. Returns the report dict (see `speculative_markdown`)."""
     device = next(target.parameters()).device
     rows = (2 if sampling.use_cfg else 1) * conditions[0]["cond"].shape[0]
     T = target.config.block_size
@@ -226,59 +231,85 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
             methods[i] = resolve_auto(m, choices[key])
 
     decoders = {m.name: m.decoder(target, drafter_of(m), geometry) for m in methods}
-    runs = {m.name: [] for m in methods}  # per (pass >= warmup, condition): time and stats
+    names = [m.name for m in methods]
+    unknown = sorted(set(compiled) - set(names))
+    if unknown:
+        raise ValueError(f"bench_spec.compiled names {unknown}, not methods of this bench ({names})")
+    vanilla = next((m.name for m in methods if m.method == "vanilla"), None)
+    if compiled and vanilla is None:
+        raise ValueError("bench_spec.compiled needs a vanilla method: compiled rows are timed against compiled vanilla")
+    compiled = [n for n in names if n in set(compiled) | ({vanilla} if compiled else set())]
+    cdecoders = {m.name: m.decoder(target, drafter_of(m), geometry, compile=True) for m in methods if m.name in compiled}
+    entries = [(m, "eager") for m in methods] + [(m, "compiled") for m in methods if m.name in compiled]
+    runs = {(m.name, mode): [] for m, mode in entries}  # per (pass >= warmup, condition): time and stats
+    first_call = {}  # compiled: the wall time of each method's first call (its graphs compile there)
     images = sum(c["cond"].shape[0] for c in conditions)
-    bar = tqdm(total=(warmup + repeats + 1) * len(conditions) * len(methods), desc="bench speculative", unit="run",
-               disable=not progress)
+    bar = tqdm(total=(warmup + repeats) * len(conditions) * len(entries) + len(conditions) * len(methods),
+               desc="bench speculative", unit="run", disable=not progress)
+
+    def timed_pass(r: int) -> None:
+        order = entries[r % len(entries):] + entries[: r % len(entries)]
+        for ci, c in enumerate(conditions):
+            for m, mode in order:
+                gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + ci * 7919 + r)
+                dec = (decoders if mode == "eager" else cdecoders)[m.name]
+                sync(device)
+                t0 = time.perf_counter()
+                tokens, stats = dec(c["cond"], sampling, gen, cond_mask=c.get("cond_mask"))
+                sync(device)
+                wall = time.perf_counter() - t0
+                bar.update()
+                if mode == "compiled" and m.name not in first_call:
+                    first_call[m.name] = (ci, wall)
+                if r < warmup:
+                    continue
+                runs[m.name, mode].append({
+                    "pass": r - warmup, "condition": ci, "wall_s": wall, "forwards": stats["forwards"],
+                    "accept_lengths": stats.get("accept_lengths", [[1] * (T - 1)] * c["cond"].shape[0]),
+                    "tokens": tokens})
+
+    # the bare forwards that bound each method's round: the target over root + tree (or window), and drafter steps
+    # as wide as a round's drafted pairs spread over the drafter calls it made (the instrumented pass counts them);
+    # timed in every timed pass, beside the loops, so that a slow or a quiet spell of the machine hits both
+    sizes = sorted({forward_size(m) for m in methods})
+    context = target.config.cls_token_num + T // 2
+    bare_t: dict[int, list[float]] = {s: [] for s in sizes}
+    bare_d: dict[tuple[str, int], list[float]] = {}
     try:
-        for r in range(warmup + repeats):  # timed passes: nothing but the decode in the timed path
-            order = methods[r % len(methods):] + methods[: r % len(methods)]
-            for ci, c in enumerate(conditions):
-                for m in order:
-                    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + ci * 7919 + r)
-                    sync(device)
-                    t0 = time.perf_counter()
-                    tokens, stats = decoders[m.name](c["cond"], sampling, gen, cond_mask=c.get("cond_mask"))
-                    sync(device)
-                    wall = time.perf_counter() - t0
-                    bar.update()
-                    if r < warmup:
-                        continue
-                    runs[m.name].append({
-                        "pass": r - warmup, "condition": ci, "wall_s": wall, "forwards": stats["forwards"],
-                        "accept_lengths": stats.get("accept_lengths", [[1] * (T - 1)] * c["cond"].shape[0]),
-                        "tokens": tokens})
+        for r in range(warmup):
+            timed_pass(r)
         parts = breakdown_pass(target, drafters, decoders, methods, conditions, sampling, seed, device, bar)
+        calls = {m.name: parts[m.name]["drafter_calls"] / parts[m.name]["forwards"] if m.drafts_tree else 0.0
+                 for m in methods}
+        widths = {m.name: (getattr(m, "drafter", "release"), max(1, math.ceil(m.spec().drafted_pairs / calls[m.name])))
+                  for m in methods if m.drafts_tree and drafter_of(m) is not None and calls[m.name] > 0}
+        bare_d = {w: [] for w in set(widths.values())}
+        for r in range(warmup, warmup + repeats):
+            timed_pass(r)
+            for s in sizes:
+                bare_t[s].append(costmodel.time_target_forward(target, rows, s, context, reps=3))
+            for which, w in bare_d:
+                bare_d[which, w].append(costmodel.time_drafter_forward(drafters[which], rows, w, context, reps=3))
+        tput = (bench_throughput(target, drafter_of, methods, conditions, sampling, seed, throughput, geometry,
+                                 set(compiled), device, progress)
+                if throughput is not None and throughput.batch_sizes and throughput.methods else None)
     finally:
         bar.close()
+    bare = {s: statistics.median(v) for s, v in bare_t.items()}
+    bare_drafter = {k: statistics.median(v) for k, v in bare_d.items()}
 
-    # bare forwards of each shape, and the VQ decode, timed apart
-    sizes = sorted({forward_size(m) for m in methods})
-    bare = {s: costmodel.time_target_forward(target, rows, s, target.config.cls_token_num + T // 2) for s in sizes}
-    # the cost-model limit of a round: the bare target forward over root + tree plus bare drafter steps (as many
-    # as the loop made per round, each as wide as the round's drafted pairs spread over them)
-    context = target.config.cls_token_num + T // 2
-    bare_drafter: dict[tuple[int, int], float] = {}
-
-    def drafter_limit(m, calls_per_round: float) -> float:
-        d = drafter_of(m)
-        if d is None or calls_per_round <= 0:
-            return 0.0
-        width = max(1, math.ceil(m.spec().drafted_pairs / calls_per_round))
-        if (id(d), width) not in bare_drafter:
-            bare_drafter[id(d), width] = costmodel.time_drafter_forward(d, rows, width, context)
-        return calls_per_round * bare_drafter[id(d), width]
+    def drafter_limit(m) -> float:
+        return calls[m.name] * bare_drafter[widths[m.name]] if m.name in widths else 0.0
 
     vq_s = None
     if vq_decode is not None:
-        tok = runs[methods[0].name][0]["tokens"]
+        tok = runs[methods[0].name, "eager"][0]["tokens"]
         vq_s = costmodel.median_time(lambda: vq_decode(tok), 3, device) / tok.shape[0]
 
     report_methods, per_condition = [], []
-    vanilla = next((m.name for m in methods if m.method == "vanilla"), None)
-    ref = {(x["pass"], x["condition"]): x["tokens"] for x in runs[vanilla]} if vanilla else {}
+    ref = {(x["pass"], x["condition"]): x["tokens"] for x in runs[vanilla, "eager"]} if vanilla else {}
     for m in methods:
-        rs = runs[m.name]
+        rs = runs[m.name, "eager"]
         per_pass = [sum(x["wall_s"] for x in rs if x["pass"] == p) for p in range(repeats)]
         wall = statistics.median(per_pass)
         forwards = sum(x["forwards"] for x in rs)
@@ -290,8 +321,8 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
         part = parts[m.name]
         target_per_forward = part["target_s"] / part["forwards"]
         s = forward_size(m)
-        calls_per_round = part["drafter_calls"] / part["forwards"] if m.drafts_tree else 0.0
-        limit = bare[s] + (drafter_limit(m, calls_per_round) if m.drafts_tree else 0.0)
+        calls_per_round = calls[m.name]
+        limit = bare[s] + drafter_limit(m)
         report_methods.append({
             "name": m.name, "method": m.method, "tree": m.tree if m.drafts_tree else None,
             "tree_desc": m.spec().describe() if m.drafts_tree else (f"window {m.window}" if m.method != "vanilla"
@@ -341,7 +372,88 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
             "num_tokens": T, "threads": torch.get_num_threads(), "device": str(device),
             "vq_decode_ms_per_image": 1000 * vq_s if vq_s is not None else None,
             "bare_forward_ms": {int(s): 1000 * v for s, v in bare.items()},
-            "methods": report_methods, "per_condition": per_condition}
+            "bare_forward_ms_all": {int(s): [1000 * x for x in v] for s, v in bare_t.items()},
+            "methods": report_methods, "per_condition": per_condition,
+            "compiled": compiled_rows(runs, report_methods, first_call, images, repeats, vanilla),
+            "throughput": tput}
+
+
+def compiled_rows(runs: dict, eager: list[dict], first_call: dict, images: int, repeats: int,
+                  vanilla: Optional[str]) -> list[dict]:
+    """Per method timed compiled too: ms per image eager and compiled (the same interleaved passes), each mode's
+    speedup against its own vanilla (never across modes), compiled over eager, tau, and the compile time (its first
+    call less a timed call of the same condition)."""
+    if not any(mode == "compiled" for _, mode in runs):
+        return []
+    def per_image(name, mode):
+        rs = runs[name, mode]
+        return 1000 * statistics.median(sum(x["wall_s"] for x in rs if x["pass"] == p) for p in range(repeats)) / images
+    base = per_image(vanilla, "compiled")
+    out = []
+    for e in eager:
+        if (e["name"], "compiled") not in runs:
+            continue
+        rs = runs[e["name"], "compiled"]
+        ci, first = first_call[e["name"]]
+        steady = statistics.median(x["wall_s"] for x in rs if x["condition"] == ci)
+        lengths = [a for x in rs for row in x["accept_lengths"] for a in row if a > 0]
+        ms = per_image(e["name"], "compiled")
+        out.append({"name": e["name"], "eager_ms_per_image": e["ms_per_image"], "eager_speedup": e.get("speedup"),
+                    "ms_per_image": ms, "speedup": base / ms, "compiled_over_eager": e["ms_per_image"] / ms,
+                    "tau": sum(lengths) / len(lengths), "eager_tau": e["tau"], "compile_s": max(first - steady, 0.0),
+                    "ms_per_image_all": [1000 * sum(x["wall_s"] for x in rs if x["pass"] == p) / images
+                                         for p in range(repeats)]})
+    return out
+
+
+def bench_throughput(target: Transformer, drafter_of: Callable, methods: list, conditions: list[dict],
+                     sampling: SamplingConfig, seed: int, tp, geometry, compiled: set, device,
+                     progress: bool = True) -> dict:
+    """Images per second at each of tp.batch_sizes for the methods tp.methods names (eager, and compiled where the
+    bench compiles them and tp.compiled is set): one decode call of b images (the bench's conditions cycled),
+    methods and modes interleaved, median of tp.repeats passes after a warm-up pass (the compiled graphs of a new
+    batch size compile there)."""
+    by_name = {m.name: m for m in methods}
+    unknown = sorted(set(tp.methods) - set(by_name))
+    if unknown:
+        raise ValueError(f"bench_spec.throughput.methods names {unknown}, not methods of this bench ({sorted(by_name)})")
+    pool = [(c["cond"][i : i + 1], None if c.get("cond_mask") is None else c["cond_mask"][i : i + 1])
+            for c in conditions for i in range(c["cond"].shape[0])]
+    entries = [(n, "eager") for n in tp.methods] + [(n, "compiled") for n in tp.methods if tp.compiled and n in compiled]
+    decs = {(n, mode): by_name[n].decoder(target, drafter_of(by_name[n]), geometry, compile=mode == "compiled")
+            for n, mode in entries}
+    times = {(b, n, mode): [] for b in tp.batch_sizes for n, mode in entries}
+    taus = {}
+    bar = tqdm(total=len(tp.batch_sizes) * (tp.repeats + 1) * len(entries), desc="throughput", unit="run",
+               disable=not progress)
+    try:
+        for b in tp.batch_sizes:
+            picks = [pool[i % len(pool)] for i in range(b)]
+            cond = torch.cat([c for c, _ in picks])
+            mask = torch.cat([mk for _, mk in picks]) if picks[0][1] is not None else None
+            for r in range(tp.repeats + 1):
+                order = entries[r % len(entries):] + entries[: r % len(entries)]
+                for n, mode in order:
+                    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + b * 7919 + r)
+                    sync(device)
+                    t0 = time.perf_counter()
+                    _, stats = decs[n, mode](cond, sampling, gen, cond_mask=mask)
+                    sync(device)
+                    bar.update()
+                    if r:
+                        times[b, n, mode].append(time.perf_counter() - t0)
+                        taus[b, n, mode] = stats.get("tau", 1.0)
+    finally:
+        bar.close()
+    vanilla = next((n for n in tp.methods if by_name[n].method == "vanilla"), None)
+    rows = []
+    for b in tp.batch_sizes:
+        for n, mode in entries:
+            wall = statistics.median(times[b, n, mode])
+            van = statistics.median(times[b, vanilla, mode]) if (b, vanilla, mode) in times else None
+            rows.append({"batch": b, "method": n, "mode": mode, "images_per_s": b / wall, "tau": taus[b, n, mode],
+                         "speedup": van / wall if van else None})
+    return {"methods": list(tp.methods), "batch_sizes": list(tp.batch_sizes), "repeats": tp.repeats, "rows": rows}
 
 
 def auto_tree(target: Transformer, drafter, conditions: list[dict], m, sampling: SamplingConfig, seed: int,
@@ -438,6 +550,30 @@ def speculative_markdown(report: dict, title: str) -> str:
             lines.append(f"| {m['name']} | " + " | ".join(f"{r[p]:.2f}" if p in r else "-" for p in parts)
                          + f" | {m['round_ms_total']:.2f} | {m['bare_round_ms']:.2f} | "
                            f"{m['round_ms_total'] / m['bare_round_ms']:.2f} |")
+    if report.get("compiled"):
+        lines += ["", "Eager and compiled, side by side (the same interleaved passes; compiled: the target's and the "
+                      "drafter's forwards under torch.compile, inductor, static shapes, one graph per shape; the loop's "
+                      "bookkeeping stays eager). Each speedup is against vanilla of the same mode, never across modes.",
+                  "", "| method | eager ms / image | eager speedup | compiled ms / image | compiled speedup | "
+                      "eager / compiled | tau (eager, compiled) | compile s |", "|---|---|---|---|---|---|---|---|"]
+        for c in report["compiled"]:
+            lines.append(f"| {c['name']} | {c['eager_ms_per_image']:.1f} | {c['eager_speedup']:.2f}x | "
+                         f"{c['ms_per_image']:.1f} | {c['speedup']:.2f}x | {c['compiled_over_eager']:.2f} | "
+                         f"{c['eager_tau']:.2f}, {c['tau']:.2f} | {c['compile_s']:.0f} |")
+    tp = report.get("throughput")
+    if tp:
+        lines += ["", f"Throughput: images per second decoding a batch of b images in one call (each row accepts its "
+                      f"own length; CFG doubles the rows), median of {tp['repeats']} passes after a warm-up; speedup "
+                      "against vanilla of the same batch and mode.", "",
+                  "| method | mode | " + " | ".join(f"b = {b}" for b in tp["batch_sizes"]) + " |",
+                  "|---|---|" + "---|" * len(tp["batch_sizes"])]
+        cell = {(r["batch"], r["method"], r["mode"]): r for r in tp["rows"]}
+        for n, mode in dict.fromkeys((r["method"], r["mode"]) for r in tp["rows"]):
+            lines.append(f"| {n} | {mode} | " + " | ".join(
+                f"{cell[b, n, mode]['images_per_s']:.2f} img/s"
+                + (f" ({cell[b, n, mode]['speedup']:.2f}x, tau {cell[b, n, mode]['tau']:.2f})"
+                   if cell[b, n, mode]["speedup"] is not None else "")
+                for b in tp["batch_sizes"]) + " |")
     width = max(max(m["accept_hist"]) for m in ms)
     lines += ["", "Acceptance length per round (tokens emitted per target forward, bonus included): share of rounds",
               "", "| method | " + " | ".join(str(i) for i in range(1, width + 1)) + " |",

@@ -7,7 +7,9 @@ applied to the logits before temperature / top-k / top-p (lisa.decoding.sampling
 torch.Generator. The loops run under torch.inference_mode (no autograd bookkeeping: ~10% of a step on a CPU at the
 built-in shapes; their outputs are inference tensors, clone them before an in-place edit outside it). Every loop
 starts with the same preamble (`start`: caches, key mask, grammar) and `prefill`; the
-speculative loops commit through `Emitted` and return `DecodeStats`.
+speculative loops commit through `Emitted` and return `DecodeStats`. `compile=True` runs the target's and the
+drafter's forwards under torch.compile (`compiled`: static shapes, one graph per shape, compiled on first use and
+shared by every loop of the same model); the loop's own bookkeeping stays eager.
 """
 from __future__ import annotations
 
@@ -24,6 +26,23 @@ from lisa.decoding import jacobi, verify
 from lisa.decoding.grammar import Grammar
 from lisa.decoding.sampling import SamplingConfig, cfg_logits, logits_to_probs, sample, sample_from
 from lisa.decoding.tree import branching_choices, chain, dynamic_tree, sampled_tree, static_choices, static_tree
+
+
+def compiled(model: Optional[torch.nn.Module]) -> Optional[torch.nn.Module]:
+    """`model` with its forward under torch.compile (inductor, dynamic=False: one graph per input shape, as gpt-fast
+    compiles its decode step), made once per model and reused by every decoder of it. Everything but the forward
+    call (caches, embeddings, config) is the model's own: torch's OptimizedModule delegates attribute access. The
+    decode loops call each forward with a handful of shapes (prefill, one step or one tree / window, the drafter's
+    level widths and one commit width), so the recompile limit is raised to hold them all."""
+    if model is None:
+        return None
+    if "_lisa_compiled" not in model.__dict__:
+        import torch._dynamo
+
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        # kept outside the module's registry (object.__setattr__): not a submodule, not in the state dict
+        object.__setattr__(model, "_lisa_compiled", torch.compile(model, dynamic=False))
+    return model.__dict__["_lisa_compiled"]
 
 
 def prefix_embeddings(model: Transformer, cond: Tensor, use_cfg: bool) -> Tensor:
@@ -174,13 +193,16 @@ def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, sampl
 @torch.inference_mode()
 def generate(model: Transformer, cond: Tensor, sampling: SamplingConfig, generator: Optional[torch.Generator] = None,
              num_tokens: Optional[int] = None, cond_mask: Optional[Tensor] = None,
-             step_fn: Optional[Callable] = None, forced: Optional[Tensor] = None) -> tuple[Tensor, DecodeStats]:
+             step_fn: Optional[Callable] = None, forced: Optional[Tensor] = None,
+             compile: bool = False) -> tuple[Tensor, DecodeStats]:
     """Sample image tokens (B, T) for `cond` (class ids (B,) or caption features (B, C, Dc)).
 
-    cond_mask: (B, C) bool for t2i caption padding (True = real token). step_fn: a compiled
+    cond_mask: (B, C) bool for t2i caption padding (True = real token). step_fn: a replacement for
     decode_one_token, if wanted. forced: (T,) grammar tokens (lisa.decoding.grammar), -1 = sampled; default: the
-    model's own grammar. Returns (tokens, {"forwards": target forward passes}).
+    model's own grammar. compile: the model's forward under torch.compile (`compiled`). Returns (tokens,
+    {"forwards": target forward passes}).
     """
+    model = compiled(model) if compile else model
     b = start(model, cond, sampling, num_tokens, cond_mask, forced)
     step = step_fn or decode_one_token
     fixed = b.grammar.host(b.T)  # host sync, once per call: the loop then overrides forced tokens without one
@@ -245,6 +267,11 @@ class SpecConfig:
         if self.tree == "static":
             return len(static_choices(self.depth, self.top_k_draft, self.total_tokens))
         return self.depth if self.tree == "chain" else self.total_tokens
+
+    @property
+    def max_depth(self) -> int:
+        """The deepest node a round's tree can hold (the longest accepted path)."""
+        return max(len(c) for c in self.choices()) if self.draft == "sample" else self.depth
 
     @property
     def drafted_pairs(self) -> int:
@@ -339,7 +366,8 @@ def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: S
                          generator: Optional[torch.Generator] = None, num_tokens: Optional[int] = None,
                          cond_mask: Optional[Tensor] = None, geometry=None, options=None,
                          trace: Optional[list] = None, forced: Optional[Tensor] = None,
-                         measure: bool = False, clock: Optional[Clock] = None) -> tuple[Tensor, DecodeStats]:
+                         measure: bool = False, clock: Optional[Clock] = None,
+                         compile: bool = False) -> tuple[Tensor, DecodeStats]:
     """Speculative sampling of image tokens (B, T) with an EAGLE-3 drafter; each row accepts its own length.
 
     Layout. Target cache: condition prefix at slots 0..C-1, image token j at slot C + j once accepted; a round
@@ -352,8 +380,12 @@ def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: S
     the draft tree's node scores and depths, the accepted path and its length, and which rows were live (what
     lisa.decoding.costmodel learns acceptance from). forced: (T,) grammar tokens, -1 = free (lisa.decoding.grammar;
     default: the target's own). measure: stats["tv"] (lisa.decoding.verify.walk). clock: a Clock that receives
-    the time of each part of every round (the benchmark's breakdown; None in timed runs).
+    the time of each part of every round (the benchmark's breakdown; None in timed runs). compile: both models'
+    forwards under torch.compile (`compiled`); the commit of the accepted pairs then always feeds the drafter the
+    longest possible path (padding lands in its junk slot), so that its forward keeps one shape.
     """
+    if compile:
+        target, drafter = compiled(target), compiled(drafter)
     b = start(target, cond, sampling, num_tokens, cond_mask, forced, extra_slots=spec.nodes + 2)
     verifier, options = verify.get_verifier(spec.verifier), verify.verifier_options(spec.verifier, options)
     taps = tuple(drafter.config.taps)
@@ -382,9 +414,11 @@ def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: S
         tick("verify")
         if trace is not None:
             trace.append({"scores": tree.scores, "depth": tree.depth, "path": verdict.path, "m": m, "live": live})
-        path = verdict.path[:, :M]  # (B, M) accepted node indices, -1 past m
-        move_accepted(target, path, m, base, b.use_cfg)
+        move_accepted(target, verdict.path[:, :M], m, base, b.use_cfg)
         tick("move")
+        path = verdict.path[:, :M]  # (B, M) accepted node indices, -1 past m
+        if compile:  # one commit width: the longest path the tree holds
+            path = torch.nn.functional.pad(path, (0, spec.max_depth - M), value=-1)
         new = emitted_tokens(tree.tokens.gather(1, path.clamp(min=0)), m, verdict.next_token)  # (B, M + 1)
         rows = b.dup(torch.cat([torch.zeros_like(m)[:, None], 1 + path.clamp(min=0)], 1))  # (GB, M + 1) of `out`
         feats = drafter.fuse([h.gather(1, rows[..., None].expand(-1, -1, h.shape[-1])) for h in out.hidden])
@@ -562,13 +596,14 @@ def jacobi_generate(target: Transformer, cond: Tensor, sampling: SamplingConfig,
                     window: int = 16, generator: Optional[torch.Generator] = None, num_tokens: Optional[int] = None,
                     cond_mask: Optional[Tensor] = None, geometry=None, options=None,
                     forced: Optional[Tensor] = None, measure: bool = False,
-                    clock: Optional[Clock] = None) -> tuple[Tensor, DecodeStats]:
+                    clock: Optional[Clock] = None, compile: bool = False) -> tuple[Tensor, DecodeStats]:
     """Drafter-free speculative decoding over a window of `window` draft tokens refined by the target itself (new
     positions start uniformly random): SJD, GSD, SCD (maximal / Gumbel coupling) and SJD-PAC (a proactive tree).
     Each iteration feeds [last token, window] in one forward; drafts are verified against the distributions they
     were drawn from; the positions after the accepted ones are re-drafted from this iteration's distributions, as
     the method says (lisa.decoding.jacobi), and the window is refilled. options, forced, measure: as in
-    speculative_generate. clock: as in speculative_generate. Returns (tokens (B, T), DecodeStats)."""
+    speculative_generate. clock, compile: as in speculative_generate. Returns (tokens (B, T), DecodeStats)."""
+    target = compiled(target) if compile else target
     b = start(target, cond, sampling, num_tokens, cond_mask, forced, extra_slots=window + 2)
     fn, options = verify.get_verifier(verifier), verify.verifier_options(verifier, options)
     paths, coupling = jacobi.window_policy(verifier, options, window)
@@ -616,26 +651,27 @@ def jacobi_generate(target: Transformer, cond: Tensor, sampling: SamplingConfig,
 
 
 def decoder(target: Transformer, method: str = "vanilla", drafter=None, spec: Optional[SpecConfig] = None,
-            window: int = 16, geometry=None, options=None, measure: bool = False) -> Callable:
+            window: int = 16, geometry=None, options=None, measure: bool = False, compile: bool = False) -> Callable:
     """The Python API behind `lisa sample --method`: a function (cond, sampling, generator, cond_mask=None,
-    forced=None, clock=None) -> (tokens (B, T), stats) decoding with `method`: "vanilla", or a verifier name (greedy / exact / lantern / ...
-    with an EAGLE-3 `drafter` and a `spec` tree; sjd / gsd run drafter-free over a `window`). Relaxed verifiers
-    read `geometry` (lisa.decoding.verify.Geometry) and their knobs from `options` (a dict or the verifier's typed
-    options, checked here). stats: DecodeStats. lisa.config.DecodeMethod.decoder builds one from params.yaml."""
+    forced=None, clock=None) -> (tokens (B, T), stats) decoding with `method`: "vanilla", or a verifier name
+    (greedy / exact / lantern / ... with an EAGLE-3 `drafter` and a `spec` tree; sjd / gsd run drafter-free over a
+    `window`). Relaxed verifiers read `geometry` (lisa.decoding.verify.Geometry) and their knobs from `options` (a
+    dict or the verifier's typed options, checked here). compile: the models' forwards under torch.compile
+    (`compiled`). stats: DecodeStats. lisa.config.DecodeMethod.decoder builds one from params.yaml."""
     if method == "vanilla":
         return lambda c, s, g, cond_mask=None, forced=None, clock=None: generate(target, c, s, g, cond_mask=cond_mask,
-                                                                      forced=forced)
+                                                                      forced=forced, compile=compile)
     if method not in verify.VERIFIERS:
         raise ValueError(f"decoding method {method!r}: not 'vanilla' nor a verifier {sorted(verify.VERIFIERS)}")
     options = verify.verifier_options(method, options)
     if verify.is_jacobi(method):
         return lambda c, s, g, cond_mask=None, forced=None, clock=None: jacobi_generate(
             target, c, s, method, window, g, cond_mask=cond_mask, geometry=geometry, options=options, forced=forced,
-            measure=measure, clock=clock)
+            measure=measure, clock=clock, compile=compile)
     if drafter is None:
         raise ValueError(f"decoding method {method!r} verifies a drafter's trees: give a drafter "
                          "(`lisa train-drafter`)")
     spec = dataclasses.replace(spec or SpecConfig(method), verifier=method)
     return lambda c, s, g, cond_mask=None, forced=None, clock=None: speculative_generate(
         target, drafter, c, s, spec, g, cond_mask=cond_mask, geometry=geometry, options=options, forced=forced,
-        measure=measure, clock=clock)
+        measure=measure, clock=clock, compile=compile)

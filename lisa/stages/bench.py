@@ -84,7 +84,8 @@ def bench_spec(world: WorldParams, sample_p: SampleParams, p: BenchSpecParams, p
             return vq.decode(model.image_codes(tokens))
 
     report = bench_speculative(model, {k: d for k, (d, _) in drafters.items()}, conditions, p.methods, sampling,
-                               p.repeats, p.warmup, p.seed, geometry, p.auto, vq_decode)
+                               p.repeats, p.warmup, p.seed, geometry, p.auto, vq_decode, compiled=p.compiled,
+                               throughput=p.throughput)
     report |= {"world": paths.world, "text_encode_ms_per_prompt": text_ms,
                "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
                             "cfg_scale": sampling.cfg_scale},

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -180,7 +180,7 @@ def _method_decoder(s: _Scored, m, p: TableParams, paths: WorldPaths):
     if geometry is not None and geometry.calibration is not None:
         geometry.neighbours = geometry.calibration.neighbours
     drafter = drafters[m.drafter][0] if m.drafter in drafters else None
-    decode = m.decoder(s.model, drafter, geometry, measure=m.method != "vanilla")
+    decode = m.decoder(s.model, drafter, geometry, measure=m.method != "vanilla", compile=p.compile)
     return decode, drafters, geometry
 
 
@@ -214,7 +214,9 @@ def eval_method(world: WorldParams, name: str, p: TableParams, q: QualityParams,
     sampling = world.sampling_config(p)  # the world's own values over the section's
     drafter_sha = {k: meta["sha256"] for k, (_, meta) in drafters.items()}
     recipe = [s.target_meta["sha256"], s.vq_meta["sha256"], asdict(m),
-              {k: v for k, v in asdict(p).items() if k not in ("rows", "pareto", "cells")}, drafter_sha,
+              # compile enters the recipe only when set (its tokens may differ in the last bits of a logit)
+              {k: v for k, v in asdict(p).items() if k not in ("rows", "pareto", "cells") and (k != "compile" or v)},
+              drafter_sha,
               calibration_sha(geometry)] + ([world.sampling] if world.sampling else [])
     work = paths.cells_work / (name + "-" + _recipe_hash(recipe))
     stats_path = work / "decode.json"
@@ -239,6 +241,8 @@ STAGES = {
     "fid-reference": Stage(lambda c: fid_reference(c.world, c.params.quality, c.paths), out="quality_dir"),
     "train-judge": Stage(lambda c: train_judge(c.world, c.params.train_judge, c.paths), out="judge_dir"),
     "evaluate": Stage(lambda c: evaluate(c.world, c.params.evaluate, c.params.quality, c.paths), out="evaluate_dir"),
-    "eval-method": Stage(lambda c, method: eval_method(c.world, method, c.params.table, c.params.quality, c.paths),
+    "eval-method": Stage(lambda c, method, compile=None: eval_method(
+        c.world, method, replace(c.params.table, compile=True) if compile else c.params.table,
+        c.params.quality, c.paths),
                          out="cells_dir"),
 }

@@ -71,7 +71,7 @@ def sample(world: WorldParams, p: SampleParams, paths: WorldPaths) -> dict:
     atomic_write(out / "tokens.pt", lambda tmp: _save_pt({"rows": rows, "tokens": tokens}, tmp))
     metrics = {"images": len(cond), "rows": rows, "decode_loop_s": total_s - decode_s, "vq_decode_s": decode_s,
                "s_per_image": (total_s - decode_s) / len(cond), "method": p.method, "tau": sum(taus) / len(taus),
-               **({"auto_tree": auto} if auto else {}),
+               **({"auto_tree": auto} if auto else {}), **({"compiled": True} if p.compile else {}),
                "target_sha256": target_meta["sha256"], "tokenizer_sha256": vq_meta["sha256"]}
     write_json(out / "metrics.json", metrics)
     return metrics
@@ -102,7 +102,7 @@ def _decoder(model, vq, target_meta: dict, p: SampleParams, drafter_path, calib=
         if auto is not None:
             auto.update(draft=choice.draft, branching=choice.branching, depth=choice.depth,
                         total_tokens=choice.total_tokens, why=choice.why)
-    return p.decoder(model, drafter, geometry)
+    return p.decoder(model, drafter, geometry, compile=p.compile)
 
 
 def premise(p: PremiseParams, paths: WorldPaths) -> dict:
@@ -118,12 +118,14 @@ def premise(p: PremiseParams, paths: WorldPaths) -> dict:
     return stats
 
 
-def _sample_params(p: SampleParams, method: Optional[str]) -> SampleParams:
-    return dataclasses.replace(p, method=method) if method else p
+def _sample_params(p: SampleParams, method: Optional[str], compile: Optional[bool] = None) -> SampleParams:
+    p = dataclasses.replace(p, method=method) if method else p
+    return dataclasses.replace(p, compile=True) if compile else p
 
 
 STAGES = {
-    "sample": Stage(lambda c, method=None: sample(c.world, _sample_params(c.params.sample, method), c.paths),
+    "sample": Stage(lambda c, method=None, compile=None: sample(c.world, _sample_params(c.params.sample, method, compile),
+                                                                c.paths),
                     out="samples_dir"),
     "premise": Stage(lambda c: premise(c.params.premise, c.paths), out="premise_report"),
 }
