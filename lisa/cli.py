@@ -43,6 +43,30 @@ def cmd_estimate(a):
     return None
 
 
+def cmd_replay(a):
+    from pathlib import Path
+
+    from lisa.bench.regime import shape_config
+    from lisa.bench.replay import ReplayConfig, replay_bench, replay_markdown
+    from lisa.checkpoint import atomic_write, write_json
+
+    rc = ReplayConfig(**{k: v for k, v in dict(shape=a.shape, methods=a.methods, image_tokens=a.tokens,
+                                                images=a.images, repeats=a.repeats, modes=a.modes, dtype=a.dtype,
+                                                threads=a.threads).items() if v is not None})
+    report_path = Path(a.bench) / f"{a.world}.json"
+    if not report_path.is_file():
+        raise FileNotFoundError(f"{report_path}: no bench report of {a.world} (`lisa bench-spec --world {a.world}`)")
+    cfg, _ = shape_config(rc.shape)
+    r = replay_bench(rc, json.loads(report_path.read_text()), cfg, device=a.device)
+    text = replay_markdown(r)
+    print(text)
+    out = Path(a.out or f"reports/regime/replay-{rc.shape}-{a.world}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json(out.with_suffix(".json"), r)
+    atomic_write(out.with_suffix(".md"), lambda tmp: Path(tmp).write_text(text))
+    return None
+
+
 def cmd_regime(a):
     from pathlib import Path
 
@@ -173,7 +197,7 @@ COMMANDS = {
 # commands of COMMANDS that are not dvc.yaml stages: run by hand (tests/test_flows.py checks the rest against
 # dvc.yaml)
 OUTSIDE_DVC = ("init-target", "init-tokenizer", "bench-ddp")
-TOOLS = ("bench-gpu", "regime", "estimate", "plan", "profile")
+TOOLS = ("bench-gpu", "regime", "replay", "estimate", "plan", "profile")
 
 # option -> (flag, add_argument keywords); `dest` is the run_stage option it sets
 OPTIONS = {
@@ -268,6 +292,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--reprice", action="store_true", help="time nothing: price the methods of the current bench "
                    "reports on the regimes stored in --out's JSON")
     s.set_defaults(fn=cmd_regime)
+    s = sub.add_parser("replay", help="the speculative loop timed at a LlamaGen shape (random weights) with a world's "
+                       "measured acceptance replayed: vanilla and tree methods of its bench report, eager and "
+                       "compiled, against the bare round -> reports/regime/replay-<shape>-<world>.{json,md} "
+                       "(docs/regime.md)")
+    s.add_argument("--world", default="fashion-c2i", help="whose bench report (--bench) gives the acceptance")
+    s.add_argument("--shape", default=None, help="a GPT preset (default GPT-B)")
+    s.add_argument("--methods", nargs="+", default=None, help="tree methods of the report (default exact-sampled "
+                   "lisa-sampled)")
+    s.add_argument("--tokens", type=int, default=None, help="tokens decoded per image (default 64)")
+    s.add_argument("--images", type=int, default=None, help="images per pass (default 2)")
+    s.add_argument("--repeats", type=int, default=None, help="timed passes after one warm-up (default 3)")
+    s.add_argument("--modes", nargs="+", default=None, choices=["eager", "compiled"])
+    s.add_argument("--dtype", default=None, choices=["fp32", "bf16"])
+    s.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    s.add_argument("--bench", default="reports/bench", help="folder of the bench-spec reports")
+    s.add_argument("--device", default=None, help="default: cpu")
+    s.add_argument("--out", default=None, help="report path without suffix")
+    s.set_defaults(fn=cmd_replay)
     s = sub.add_parser("plan", help="what `make run` (dvc repro) or the flow lisa-full will do: the stages it runs "
                        "and why, the committed release artifacts it reuses, the expected time (runs `dvc status "
                        "--json` in the lock's folder, or reads its output from --status)")

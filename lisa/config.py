@@ -454,6 +454,25 @@ class TableParams(SamplingParams):
 
 
 @dataclass(config=STRICT)
+class LaunchParams:
+    """How the flow launches the stages that run across processes (cache-logits, train-drafter; tasks/pipeline.py):
+    torchrun's --nproc_per_node and --nnodes. No stage lists this section: the outputs do not depend on it. On a
+    machine of a multi-node run the environment (LISA_NPROC_PER_NODE, LISA_NNODES, LISA_NODE_RANK,
+    LISA_RDZV_ENDPOINT) overrides it."""
+    nproc_per_node: int = 1  # processes per machine (1 and nnodes 1: a plain process, no torchrun)
+    nnodes: int = 1  # machines
+    rdzv_endpoint: Optional[str] = None  # host:port of node 0 (nnodes > 1)
+    node_rank: int = 0  # this machine's rank (nnodes > 1)
+
+    @field_validator("nproc_per_node", "nnodes")
+    @classmethod
+    def _positive(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"must be >= 1, got {v}")
+        return v
+
+
+@dataclass(config=STRICT)
 class Params:
     worlds: dict[str, WorldParams]
     sampling: Sampling = Field(default_factory=Sampling)  # what every sampling section inherits (inherit_sampling)
@@ -476,6 +495,7 @@ class Params:
     bench_spec: BenchSpecParams = Field(default_factory=BenchSpecParams)
     calibrate: CalibrateParams = Field(default_factory=CalibrateParams)
     table: TableParams = Field(default_factory=TableParams)
+    launch: LaunchParams = Field(default_factory=LaunchParams)
 
     def world(self, name: str) -> WorldParams:
         if name not in self.worlds:

@@ -99,18 +99,35 @@ def outcome(stage: str, log: str) -> str:
 TORCHRUN_STAGES = ("cache-logits", "train-drafter")
 
 
-def torchrun_launch(family: str) -> list[str]:
-    """`torchrun ... --no-python` for a stage of TORCHRUN_STAGES, from the settings LISA_NPROC_PER_NODE (processes
-    per machine; default 1: no torchrun) and LISA_NNODES (machines; default 1), with LISA_RDZV_ENDPOINT (host:port
-    of node 0) and LISA_NODE_RANK when there are several; [] for a plain process."""
-    nproc, nnodes = int(os.environ.get("LISA_NPROC_PER_NODE", "1")), int(os.environ.get("LISA_NNODES", "1"))
+def launch_settings(root: str = ".") -> dict:
+    """params.yaml's `launch` section in `root` (lisa.config.LaunchParams; defaults where the file or the section
+    is missing), each value overridden by its environment variable: LISA_NPROC_PER_NODE, LISA_NNODES,
+    LISA_NODE_RANK, LISA_RDZV_ENDPOINT (per machine of a multi-node run)."""
+    from lisa.config import LaunchParams, load_params
+
+    path = Path(root) / "params.yaml"
+    p = load_params(path).launch if path.is_file() else LaunchParams()
+    env = {k: os.environ.get(f"LISA_{k.upper()}") for k in ("nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint")}
+    return {"nproc_per_node": int(env["nproc_per_node"] or p.nproc_per_node), "nnodes": int(env["nnodes"] or p.nnodes),
+            "node_rank": int(env["node_rank"] or p.node_rank), "rdzv_endpoint": env["rdzv_endpoint"] or p.rdzv_endpoint}
+
+
+def torchrun_launch(family: str, root: str = ".") -> list[str]:
+    """`torchrun ... --no-python` for a stage of TORCHRUN_STAGES, from the launch settings (launch_settings:
+    params.yaml's `launch`, the environment over it): nproc_per_node processes per machine (1 and one machine: a
+    plain process, no torchrun), nnodes machines, with rdzv_endpoint (host:port of node 0) and node_rank when there
+    are several; [] for a plain process."""
+    s = launch_settings(root)
+    nproc, nnodes = s["nproc_per_node"], s["nnodes"]
     if family not in TORCHRUN_STAGES or nproc * nnodes == 1:
         return []
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(nproc), "--nnodes", str(nnodes)]
     if nnodes == 1:
         return cmd + ["--standalone", "--no-python"]
-    return cmd + ["--node_rank", os.environ.get("LISA_NODE_RANK", "0"), "--rdzv_backend", "c10d",
-                  "--rdzv_endpoint", os.environ["LISA_RDZV_ENDPOINT"], "--no-python"]
+    if not s["rdzv_endpoint"]:
+        raise ValueError("launch.nnodes > 1 needs launch.rdzv_endpoint (host:port of node 0) or LISA_RDZV_ENDPOINT")
+    return cmd + ["--node_rank", str(s["node_rank"]), "--rdzv_backend", "c10d",
+                  "--rdzv_endpoint", s["rdzv_endpoint"], "--no-python"]
 
 
 def _repro_torchrun(stage: str, cmd: str, launch: list[str], root: str) -> str:
@@ -133,7 +150,7 @@ def repro(stage: str, root: str = ".", metrics: tuple[str, ...] = (), stale: boo
     to date before the flow started (stale=False), none of whose upstream stages has run since, is still up to
     date: it is skipped without asking DVC again. A stage of TORCHRUN_STAGES runs its command `cmd` under
     torchrun when the settings ask for several processes (torchrun_launch)."""
-    launch = torchrun_launch(stage.split("@")[0])
+    launch = torchrun_launch(stage.split("@")[0], root)
     if not stale and all(u["outcome"] == "skipped" for u in upstream or []):
         done = "skipped"
     elif launch:

@@ -253,3 +253,23 @@ def test_torchrun_launch_is_a_setting(monkeypatch):
     monkeypatch.setenv("LISA_RDZV_ENDPOINT", "node0:29400")
     assert torchrun_launch("cache-logits")[-7:] == ["--node_rank", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint",
                                                      "node0:29400", "--no-python"]
+
+
+def test_torchrun_launch_from_params(tmp_path, monkeypatch):
+    """params.yaml's `launch` section sets the processes; the environment overrides it per machine."""
+    from lisa.config import profile_text
+    from tasks.pipeline import torchrun_launch
+
+    for k in ("LISA_NPROC_PER_NODE", "LISA_NNODES", "LISA_NODE_RANK", "LISA_RDZV_ENDPOINT"):
+        monkeypatch.delenv(k, raising=False)
+    (tmp_path / "params.yaml").write_text(profile_text("micro") + "\nlaunch: {nproc_per_node: 3}\n")
+    assert torchrun_launch("cache-logits", str(tmp_path))[1:4] == ["--nproc_per_node", "3", "--nnodes"]
+    monkeypatch.setenv("LISA_NPROC_PER_NODE", "1")
+    assert torchrun_launch("cache-logits", str(tmp_path)) == []
+    monkeypatch.delenv("LISA_NPROC_PER_NODE")
+    (tmp_path / "params.yaml").write_text(profile_text("micro") + "\nlaunch: {nproc_per_node: 2, nnodes: 2}\n")
+    with pytest.raises(ValueError, match="rdzv_endpoint"):
+        torchrun_launch("train-drafter", str(tmp_path))
+    (tmp_path / "params.yaml").write_text(profile_text("micro") + "\nlaunch: {nproc_per_node: 0}\n")
+    with pytest.raises(Exception, match="nproc_per_node"):
+        torchrun_launch("train-drafter", str(tmp_path))

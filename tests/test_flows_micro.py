@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.test_pipeline import micro_repo
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -29,17 +28,12 @@ def dvc_status(repo) -> dict:
     return json.loads(run([str(BIN / "dvc"), "status", "--json"], repo) or "{}")
 
 
-def micro_clone(tmp_path: Path) -> Path:
-    """This checkout's pipeline (dvc.yaml, lisa/, .dvc/config) in a new git repository, on the micro profile."""
-    return micro_repo(tmp_path)
-
-
 def ran(results: dict) -> set[str]:
     return {n for n, r in results.items() if n != "estimate" and r["outcome"] != "skipped"}
 
 
 @pytest.mark.slow
-def test_lisa_full_and_recalibrate_micro(tmp_path, monkeypatch):
+def test_lisa_full_and_recalibrate_micro(tmp_path, monkeypatch, micro_built):
     from prefect.testing.utilities import prefect_test_harness
     from safetensors.torch import save_file
 
@@ -47,14 +41,20 @@ def test_lisa_full_and_recalibrate_micro(tmp_path, monkeypatch):
     from flows.recalibrate import recalibrate
     from lisa.checkpoint import file_sha256
     from lisa.models.llamagen import load_target
+    from tests.conftest import copy_built
 
-    repo = micro_clone(tmp_path)
+    repo = copy_built(micro_built, tmp_path)  # the session's one `dvc repro` of the micro pipeline
     monkeypatch.setenv("PYTHONPATH", str(repo))  # the stages' `lisa` runs the clone's code
     with prefect_test_harness(server_startup_timeout=180):
+        assert ran(lisa_full(root=str(repo))) == set()  # after a dvc repro the flow runs nothing
+        params = yaml.safe_load((repo / "params.yaml").read_text())
+        params["sample"]["per_class"] += 1  # the sample stages and what reads them go stale
+        (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        stale = set(dvc_status(repo))
         first = lisa_full(root=str(repo))
-        assert ran(first) == set(first) - {"estimate"}  # micro params: every stage runs once
+        assert ran(first) == stale and {"sample@fashion-c2i", "sample@emoji-t2i"} <= stale  # exactly what DVC finds
         assert dvc_status(repo) == {} and "Running stage" not in run([str(BIN / "dvc"), "repro"], repo)
-        assert first["sample@fashion-c2i"]["metrics"]["reports/samples/fashion-c2i/metrics.json"]["images"] == 8
+        assert first["sample@fashion-c2i"]["metrics"]["reports/samples/fashion-c2i/metrics.json"]["images"] == 12
         assert "| fashion-c2i |" in first["estimate"]
 
         shutil.rmtree(repo / "data/cache/fashion-c2i")  # the logit cache again, under torchrun with 2 processes

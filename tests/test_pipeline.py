@@ -59,9 +59,10 @@ def test_cli_errors_name_the_problem(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_dvc_repro_micro(tmp_path):
-    repo = micro_repo(tmp_path)
-    out = run([str(BIN / "dvc"), "repro"], repo)
+def test_dvc_repro_micro(tmp_path, micro_built):
+    from tests.conftest import copy_built
+
+    repo, out = copy_built(micro_built, tmp_path), micro_built[1]  # a copy of the session's one `dvc repro`
     for stage in DAG:
         assert f"Running stage '{stage}" in out
     for world in ("fashion-c2i", "emoji-t2i"):

@@ -4,6 +4,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from lisa.bench.regime import (RegimeConfig, allowed_speedup, bench_reports, measure_shape, method_rows, regime,
                                regime_markdown, shape_config)
@@ -113,3 +114,45 @@ def test_reprice_prices_new_bench_reports_on_the_stored_regimes():
         old = r["shapes"]["micro"]["regimes"][k]["allowed_speedup"]["toy"]["sampled"]
         assert reg["allowed_speedup"]["toy"]["sampled"] == pytest.approx(2 * old)
         assert reg["allowed_speedup"]["toy"]["chain"] == r["shapes"]["micro"]["regimes"][k]["allowed_speedup"]["toy"]["chain"]
+
+
+def test_replayed_loop_at_a_shape():
+    """lisa.bench.replay: the real loop on random weights, each round's acceptance drawn from a report's histogram
+    along the first-child chain; every image still gets its tokens, and the rounds accept only lengths the
+    histogram holds (the last round of an image may be cut by its end)."""
+    from lisa.bench.replay import ReplayConfig, replay_bench, replay_markdown
+    from lisa.models.gpt import gpt_config
+
+    report = {"world": "toy", "sampling": {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "cfg_scale": 2.0},
+              "methods": [{"name": "exact-sampled", "tree": "dynamic", "depth": 4, "top_k_draft": 4,
+                           "total_tokens": 16, "draft": "sample", "siblings": "wor", "branching": [2, 1, 1],
+                           "accept_hist": {"1": 5, "2": 3, "4": 2}, "tau": 1.9}]}
+    cfg = gpt_config("GPT-micro", vocab_size=32, block_size=16, num_classes=4)
+    r = replay_bench(ReplayConfig(methods=["exact-sampled"], image_tokens=16, images=2, repeats=1, modes=["eager"]),
+                     report, cfg, progress=False)
+    rows = {m["method"]: m for m in r["methods"]}
+    spec = rows["exact-sampled"]
+    assert rows["vanilla"]["speedup"] == 1.0 and spec["ms_per_image"] > 0 and spec["bare_round_ms"] > 0
+    assert spec["drafter_calls_per_round"] > 0 and spec["ceiling"] > 0 and spec["tokens_per_forward"] == 7
+    assert 1.0 < spec["tau"] <= 4.0 and spec["forwards_per_image"] < 15
+    with pytest.raises(ValueError, match="not in the bench report"):
+        replay_bench(ReplayConfig(methods=["nope"], modes=["eager"]), report, cfg, progress=False)
+    assert "acceptance replayed from toy" in replay_markdown(r)
+
+
+def test_replay_verifier_follows_the_histogram():
+    from lisa.bench.replay import replay_verifier
+    from lisa.decoding.generate import SpecConfig, speculative_generate
+    from lisa.decoding.sampling import SamplingConfig
+    from lisa.models.drafter import DrafterConfig, build_drafter
+    from tests.helpers import micro_gpt
+
+    target = micro_gpt(vocab_size=16)
+    drafter = build_drafter(DrafterConfig.for_target(target.config)).eval()
+    spec = SpecConfig("exact", "dynamic", draft="sample", branching=(2, 1, 1))
+    fn = replay_verifier({"1": 1, "3": 1}, torch.Generator().manual_seed(0))
+    tokens, st = speculative_generate(target, drafter, torch.tensor([1, 2, 3]), SamplingConfig(cfg_scale=2.0), spec,
+                                      torch.Generator().manual_seed(0), verifier_fn=fn)
+    assert tokens.shape == (3, 16) and all(sum(r) == 15 for r in st["accept_lengths"])
+    body = [a for r in st["accept_lengths"] for a in [a for a in r if a > 0][:-1]]  # a row's last round may be cut
+    assert set(body) <= {1, 3} and {1, 3} <= set(body)

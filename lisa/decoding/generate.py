@@ -367,7 +367,7 @@ def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: S
                          cond_mask: Optional[Tensor] = None, geometry=None, options=None,
                          trace: Optional[list] = None, forced: Optional[Tensor] = None,
                          measure: bool = False, clock: Optional[Clock] = None,
-                         compile: bool = False) -> tuple[Tensor, DecodeStats]:
+                         compile: bool = False, verifier_fn: Optional[Callable] = None) -> tuple[Tensor, DecodeStats]:
     """Speculative sampling of image tokens (B, T) with an EAGLE-3 drafter; each row accepts its own length.
 
     Layout. Target cache: condition prefix at slots 0..C-1, image token j at slot C + j once accepted; a round
@@ -382,12 +382,14 @@ def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: S
     default: the target's own). measure: stats["tv"] (lisa.decoding.verify.walk). clock: a Clock that receives
     the time of each part of every round (the benchmark's breakdown; None in timed runs). compile: both models'
     forwards under torch.compile (`compiled`); the commit of the accepted pairs then always feeds the drafter the
-    longest possible path (padding lands in its junk slot), so that its forward keeps one shape.
+    longest possible path (padding lands in its junk slot), so that its forward keeps one shape. verifier_fn: a
+    function (VerifyContext, generator) -> Verdict in place of the registry's spec.verifier (lisa.bench.replay).
     """
     if compile:
         target, drafter = compiled(target), compiled(drafter)
     b = start(target, cond, sampling, num_tokens, cond_mask, forced, extra_slots=spec.nodes + 2)
     verifier, options = verify.get_verifier(spec.verifier), verify.verifier_options(spec.verifier, options)
+    verifier = verifier_fn or verifier
     taps = tuple(drafter.config.taps)
     drafter.setup_caches(b.GB, b.T + spec.drafted_pairs + spec.top_k_draft + 2)
     first, out = prefill(target, b, sampling, generator, taps)

@@ -124,8 +124,8 @@ def _sample_params(p: SampleParams, method: Optional[str], compile: Optional[boo
 
 
 STAGES = {
-    "sample": Stage(lambda c, method=None, compile=None: sample(c.world, _sample_params(c.params.sample, method, compile),
-                                                                c.paths),
+    "sample": Stage(lambda c, method=None, compile=None: sample(
+        c.world, _sample_params(c.params.sample, method, compile), c.paths),
                     out="samples_dir"),
     "premise": Stage(lambda c: premise(c.params.premise, c.paths), out="premise_report"),
 }
