@@ -103,10 +103,16 @@ def launch_settings(root: str = ".") -> dict:
     """params.yaml's `launch` section in `root` (lisa.config.LaunchParams; defaults where the file or the section
     is missing), each value overridden by its environment variable: LISA_NPROC_PER_NODE, LISA_NNODES,
     LISA_NODE_RANK, LISA_RDZV_ENDPOINT (per machine of a multi-node run)."""
-    from lisa.config import LaunchParams, load_params
+    import yaml
 
-    path = Path(root) / "params.yaml"
-    p = load_params(path).launch if path.is_file() else LaunchParams()
+    from lisa.config import LaunchParams
+
+    path = Path(root) / "params.yaml"  # only its `launch` section: a DVC project of other stages has no lisa params
+    raw = (yaml.safe_load(path.read_text()) or {}).get("launch") if path.is_file() else None
+    try:
+        p = LaunchParams(**(raw or {}))
+    except Exception as e:
+        raise ValueError(f"{path}: section `launch`: {e}") from None
     env = {k: os.environ.get(f"LISA_{k.upper()}") for k in ("nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint")}
     return {"nproc_per_node": int(env["nproc_per_node"] or p.nproc_per_node), "nnodes": int(env["nnodes"] or p.nnodes),
             "node_rank": int(env["node_rank"] or p.node_rank), "rdzv_endpoint": env["rdzv_endpoint"] or p.rdzv_endpoint}
@@ -117,9 +123,11 @@ def torchrun_launch(family: str, root: str = ".") -> list[str]:
     params.yaml's `launch`, the environment over it): nproc_per_node processes per machine (1 and one machine: a
     plain process, no torchrun), nnodes machines, with rdzv_endpoint (host:port of node 0) and node_rank when there
     are several; [] for a plain process."""
+    if family not in TORCHRUN_STAGES:
+        return []
     s = launch_settings(root)
     nproc, nnodes = s["nproc_per_node"], s["nnodes"]
-    if family not in TORCHRUN_STAGES or nproc * nnodes == 1:
+    if nproc * nnodes == 1:
         return []
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(nproc), "--nnodes", str(nnodes)]
     if nnodes == 1:
