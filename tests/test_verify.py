@@ -183,3 +183,46 @@ def test_verifiers_refuse_drafts_they_have_no_law_for():
     s = SpecConfig("exact", "dynamic", draft="sample", branching=(3, 2, 1, 1))
     assert s.nodes == s.drafted_pairs == 21 and "sampled (wor)" in s.describe()
     assert SpecConfig("exact", "chain", depth=5, draft="sample", siblings="iid").nodes == 5
+
+
+@pytest.mark.parametrize("budget", [None, 0.05])
+def test_transport_moves_mass_along_edges_as_defined(budget):
+    """transport's three sparse products equal its definition edge by edge: v asks each neighbour u for the share
+    min(want(v), d(v), avail(v)) / avail(v) of u's excess, a code asked for more than its excess gives pro rata,
+    the budget scales every flow; mass is conserved and acceptance sum_x min(r~, q) rises by the mass moved."""
+    from lisa.decoding.verify import neighbour_edges, transport
+
+    g = torch.Generator().manual_seed(0)
+    B, Vt, k = 3, 12, 4
+    r = torch.softmax(3 * torch.randn(B, Vt, generator=g), -1)
+    r[0, 5] = 0.0  # outside r's support: never receives
+    r = r / r.sum(-1, keepdim=True)
+    q = torch.softmax(2 * torch.randn(B, Vt, generator=g), -1)
+    table = torch.stack([torch.randperm(Vt, generator=g)[:k] for _ in range(Vt)])
+    table[1, 1] = table[1, 0]  # a repeated neighbour counts twice
+    want = torch.rand(B, Vt, generator=g)
+    ref = r.double().clone()
+    for b in range(B):
+        e = (r[b] - q[b]).clamp(min=0).double()
+        w = torch.minimum(want[b].double(), torch.where(r[b] > 0, (q[b] - r[b]).clamp(min=0), 0.0).double())
+        req = torch.zeros(Vt, k, dtype=torch.float64)
+        for v in range(Vt):
+            avail = sum(e[u] for u in table[v])
+            if avail > 0:
+                for j, u in enumerate(table[v]):
+                    req[v, j] = e[u] * min(w[v], avail) / avail
+        asked = torch.zeros(Vt, dtype=torch.float64).index_add_(0, table.flatten(), req.flatten())
+        give = torch.where(asked > e, e / asked.clamp(min=1e-300), torch.ones_like(e))
+        flow = req * give[table]
+        if budget is not None and flow.sum() > budget:
+            flow = flow * budget / flow.sum()
+        ref[b] += flow.sum(-1)
+        ref[b].index_add_(0, table.flatten(), -flow.flatten())
+    out = transport(r, q, neighbour_edges(table), want, budget)
+    assert torch.allclose(out.double(), ref, atol=1e-6)
+    assert torch.allclose(out.sum(-1), torch.ones(B), atol=1e-6) and (out >= -1e-7).all() and out[0, 5] == 0
+    moved = 0.5 * (out - r).abs().sum(-1)
+    gain = torch.minimum(out, q).sum(-1) - torch.minimum(r, q).sum(-1)
+    assert torch.allclose(gain, moved, atol=1e-6) and (moved > 0).all()
+    if budget is not None:
+        assert (moved <= budget + 1e-6).all()

@@ -14,6 +14,7 @@ shared by every loop of the same model); the loop's own bookkeeping stays eager.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, TypedDict
@@ -23,6 +24,7 @@ from torch import Tensor
 
 from lisa.models.gpt import GPTOutput, Transformer
 from lisa.decoding import jacobi, verify
+from lisa.decoding.fused import fused
 from lisa.decoding.grammar import Grammar
 from lisa.decoding.sampling import SamplingConfig, cfg_logits, logits_to_probs, sample, sample_from
 from lisa.decoding.tree import branching_choices, chain, dynamic_tree, sampled_tree, static_choices, static_tree
@@ -87,6 +89,13 @@ def target_probs(logits: Tensor, sampling: SamplingConfig) -> tuple[Tensor, Tens
     """Target logits (B', ..., V) -> (guided logits, the distribution p vanilla sampling draws from), (B, ..., V)."""
     g = guided(logits, sampling)
     return g, logits_to_probs(g, sampling.temperature, sampling.top_k, sampling.top_p)
+
+
+def target_dists(logits: Tensor, sampling: SamplingConfig, grammar: Grammar, pos: Tensor) -> tuple[Tensor, Tensor]:
+    """A tree or window forward's logits (B', S, V) -> (guided logits, p with the grammar applied at the sequence
+    positions pos (B, S)), each (B, S, V): what verification reads."""
+    g, p = target_probs(logits, sampling)
+    return g, grammar.probs(p, pos)
 
 
 def draw(p: Tensor, sampling: SamplingConfig, generator: Optional[torch.Generator]) -> Tensor:
@@ -183,11 +192,18 @@ def prefill(model: Transformer, b: Batch, sampling: SamplingConfig, generator: O
 
 
 def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, sampling: SamplingConfig,
-                     generator: Optional[torch.Generator], key_mask: Optional[Tensor] = None) -> Tensor:
-    """token (B,) at slot input_pos (1,) -> next token (B,)."""
+                     generator: Optional[torch.Generator], key_mask: Optional[Tensor] = None,
+                     fuse: bool = False) -> Tensor:
+    """token (B,) at slot input_pos (1,) -> next token (B,). fuse: the guidance and sampling filters under
+    torch.compile (lisa.decoding.fused; the draw itself stays outside)."""
     x = model.embed_tokens(torch.cat([token, token]) if sampling.use_cfg else token)[:, None]  # (B', 1, D)
     logits = model(x, input_pos, mask=step_mask(model, input_pos, key_mask)).logits[:, -1]  # (B', V)
-    return sample(guided(logits, sampling), sampling, generator)[0]
+    return draw(fused(next_token_probs, fuse)(logits, sampling), sampling, generator)
+
+
+def next_token_probs(logits: Tensor, sampling: SamplingConfig) -> Tensor:
+    """A step's logits (B', V) -> the distribution (B, V) vanilla sampling draws from."""
+    return target_probs(logits, sampling)[1]
 
 
 @torch.inference_mode()
@@ -204,7 +220,7 @@ def generate(model: Transformer, cond: Tensor, sampling: SamplingConfig, generat
     """
     model = compiled(model) if compile else model
     b = start(model, cond, sampling, num_tokens, cond_mask, forced)
-    step = step_fn or decode_one_token
+    step = step_fn or functools.partial(decode_one_token, fuse=compile)
     fixed = b.grammar.host(b.T)  # host sync, once per call: the loop then overrides forced tokens without one
     tokens = torch.empty(b.B, b.T, dtype=torch.long, device=b.cond.device)
     tokens[:, 0] = prefill(model, b, sampling, generator)[0]
@@ -396,21 +412,22 @@ def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: S
     em = Emitted.first(first, b.T, measure)
     zero = torch.zeros(b.B, dtype=torch.long, device=first.device)
     root = commit_pairs(drafter, b, drafter.fuse([h[:, -1:] for h in out.hidden]), first[:, None], zero, zero)
+    dists = fused(target_dists, compile)
     tick = clock.tick if clock is not None else _no_tick
     tick("prefill")
     while em.unfinished():
         live, n = em.live(), em.n
         base = (b.C + n - 1).clamp(max=target.cache_length - spec.nodes - 2)  # root slot; finished rows idle at the end
         tick("rest")
-        tree = draft(drafter, b, root, n, spec, sampling, generator)
+        tree = draft(drafter, b, root, n, spec, sampling, generator, compile)
         tick("draft")
         out = tree_forward(target, em.last(), tree, base, b.key_mask, b.use_cfg, taps)  # root + tree, tree mask
         em.forwards += 1
         tick("target")
-        g_logits, p = target_probs(out.logits, sampling)  # (B, N + 1, V)
-        p = b.grammar.probs(p, n[:, None] + torch.cat([torch.zeros_like(tree.depth[:, :1]), tree.depth], 1))
+        at = n[:, None] + torch.cat([torch.zeros_like(tree.depth[:, :1]), tree.depth], 1)  # (B, N + 1) positions
+        g_logits, p = dists(out.logits, sampling, b.grammar, at)  # (B, N + 1, V)
         verdict = verifier(verify.VerifyContext(p, tree, logits=g_logits, geometry=geometry, options=options,
-                                                measure=measure), generator)
+                                                measure=measure, fuse=compile), generator)
         m = verdict.n_accepted  # (B,)
         M = int(m.max())  # host sync, once per round: the longest acceptance sizes the moves and the drafter commit
         tick("verify")
@@ -491,13 +508,13 @@ def tree_forward(target: Transformer, root: Tensor, tree, base: Tensor, key_mask
 
 
 def draft(drafter, b: Batch, root: tuple[Tensor, Tensor], n: Tensor, spec: SpecConfig, sampling: SamplingConfig,
-          generator: Optional[torch.Generator] = None):
+          generator: Optional[torch.Generator] = None, fuse: bool = False):
     """One round's draft tree (lisa.decoding.tree.Tree) from the drafter's root (logits (GB, V), hidden
     (GB, 1, H)) for rows that have emitted n (B,) tokens. Top-k trees rank the raw guided drafter; sampled ones
     draw from the drafter's guided logits processed like the target's (temperature, top-k, top-p), the q that
-    verification divides by, with the round's generator."""
+    verification divides by, with the round's generator. fuse: the distributions under torch.compile (fused)."""
     logits, hidden = root
-    dist = _draft_dist(sampling, b.grammar, spec.draft)
+    dist = _draft_dist(sampling, b.grammar, spec.draft, fuse)
     logp = dist(logits[:, None], n[:, None])[:, 0]
     if spec.draft == "sample":
         return _draft_tree(drafter, b, logp, hidden, n, spec, sampling, dist, generator)
@@ -506,22 +523,27 @@ def draft(drafter, b: Batch, root: tuple[Tensor, Tensor], n: Tensor, spec: SpecC
     return _draft_tree(drafter, b, logp, hidden, n, spec, sampling, dist)
 
 
-def _draft_dist(sampling: SamplingConfig, grammar: Grammar, policy: str) -> Callable[[Tensor, Tensor], Tensor]:
+def _draft_dist(sampling: SamplingConfig, grammar: Grammar, policy: str,
+                fuse: bool = False) -> Callable[[Tensor, Tensor], Tensor]:
     """(drafter logits (GB, S, V), positions (B, S)) -> the drafter's log-distribution (B, S, V) with the grammar
-    applied. topk: the raw guided drafter (what trees rank). sample: the guided logits processed like the target's
-    (temperature, top-k, top-p), the q that sampled drafts are drawn from and verification divides by; where that
-    filter leaves only ids the grammar bars, the full guided drafter instead (any q is exact, if it is the one
-    drawn from)."""
-    def ranked(logits, pos):
-        return grammar.log_probs(guided(logits, sampling).log_softmax(-1), pos)
+    applied: `_ranked_logq` (topk) or `_sampled_logq` (sample), fused under torch.compile when `fuse`."""
+    fn = fused(_sampled_logq if policy == "sample" else _ranked_logq, fuse)
+    return lambda logits, pos: fn(logits, pos, sampling, grammar)
 
-    def sampled(logits, pos):
-        g = guided(logits, sampling)
-        logq = grammar.log_probs(logits_to_probs(g, sampling.temperature, sampling.top_k, sampling.top_p).log(), pos)
-        empty = torch.isinf(logq.amax(-1, keepdim=True))
-        return torch.where(empty, grammar.log_probs(g.log_softmax(-1), pos), logq).log_softmax(-1)
 
-    return sampled if policy == "sample" else ranked
+def _ranked_logq(logits: Tensor, pos: Tensor, sampling: SamplingConfig, grammar: Grammar) -> Tensor:
+    """The raw guided drafter (what top-k trees rank)."""
+    return grammar.log_probs(guided(logits, sampling).log_softmax(-1), pos)
+
+
+def _sampled_logq(logits: Tensor, pos: Tensor, sampling: SamplingConfig, grammar: Grammar) -> Tensor:
+    """The guided logits processed like the target's (temperature, top-k, top-p), the q that sampled drafts are
+    drawn from and verification divides by; where that filter leaves only ids the grammar bars, the full guided
+    drafter instead (any q is exact, if it is the one drawn from)."""
+    g = guided(logits, sampling)
+    logq = grammar.log_probs(logits_to_probs(g, sampling.temperature, sampling.top_k, sampling.top_p).log(), pos)
+    empty = torch.isinf(logq.amax(-1, keepdim=True))
+    return torch.where(empty, grammar.log_probs(g.log_softmax(-1), pos), logq).log_softmax(-1)
 
 
 def _draft_tree(drafter, b: Batch, root_logp, root_hidden, n, spec: SpecConfig, sampling, dist,
@@ -617,6 +639,7 @@ def jacobi_generate(target: Transformer, cond: Tensor, sampling: SamplingConfig,
     old = torch.full((b.B, L + 1), -1, dtype=torch.long, device=first.device)  # no untested drafts yet
     q_old = Q
     noise = jacobi.gumbel(Q.shape, generator, Q.device) if coupling == "gumbel" else None
+    dists = fused(target_dists, compile)
     tick = clock.tick if clock is not None else _no_tick
     tick("prefill")
     while em.unfinished():
@@ -628,12 +651,11 @@ def jacobi_generate(target: Transformer, cond: Tensor, sampling: SamplingConfig,
         out = tree_forward(target, em.last(), tree, base, b.key_mask, b.use_cfg)
         em.forwards += 1
         tick("target")
-        g_logits, p = target_probs(out.logits, sampling)  # (B, L + 1, V): row i + 1 = the law after node i
         at = torch.cat([torch.zeros_like(tree.depth[:, :1]), tree.depth], 1)  # (B, L + 1) offset of each row's children
-        p = b.grammar.probs(p, n[:, None] + at)
+        g_logits, p = dists(out.logits, sampling, b.grammar, n[:, None] + at)  # (B, L + 1, V): row i + 1 after node i
         rows_noise = noise.gather(1, at[..., None].expand(-1, -1, V)) if noise is not None else None
         v = fn(verify.VerifyContext(p, tree, logits=g_logits, geometry=geometry, options=options, measure=measure,
-                                    noise=rows_noise), generator)
+                                    noise=rows_noise, fuse=compile), generator)
         m = v.n_accepted  # (B,)
         tick("verify")
         if layout.is_chain:  # accepted drafts are already at their sequence slots

@@ -37,12 +37,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Mapping, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
+from lisa.decoding.fused import fused
 from lisa.decoding.tree import Tree
 
 
@@ -56,6 +58,7 @@ class VerifyContext:
     measure: bool = False  # also compute the law of each emitted token and its TV distance to p (Verdict.tv)
     noise: Optional[Tensor] = None  # (B, N + 1, V) scd-gumbel: the Gumbel noise of the position each row's children
     #                                 sit at (row 0: the root's children), shared with the drafting
+    fuse: bool = False  # the walk's pure steps under torch.compile (the loop's compile=True; lisa.decoding.fused)
 
 
 @dataclass
@@ -178,6 +181,7 @@ def walk_sampled(ctx: VerifyContext, generator: torch.Generator, relax_fn: Optio
     done = torch.zeros(B, dtype=torch.bool, device=dev)
     tv = torch.full((B, depth + 1), float("nan"), device=dev) if ctx.measure else None
     widths = tree.shape.widths if tree.shape is not None else (kids.shape[-1],) * (depth + 1)
+    try_sibling = fused(_try_sibling, ctx.fuse)
     for level in range(depth + 1):
         moved = torch.zeros(B, dtype=torch.bool, device=dev)
         r_node, q_node = r, tree.q[ar, row]
@@ -191,14 +195,7 @@ def walk_sampled(ctx: VerifyContext, generator: torch.Generator, relax_fn: Optio
                 continue
             tok = toks[:, s, None]  # (B, 1)
             u = torch.rand(B, generator=generator, device=dev)
-            rn = _normalise(r)
-            prob = ratio(rn.gather(1, tok).squeeze(1), qi.gather(1, tok).squeeze(1))
-            rest = _normalise((rn - qi).clamp(min=0))
-            rest = torch.where(rest.sum(-1, keepdim=True) > 0, rest, rn)  # r == q: nothing is ever rejected
-            acc = (u < prob) & exists & ~moved
-            r = torch.where((exists & ~acc)[:, None], rest, r)  # rows that accepted leave r behind: unused
-            if tree.sampled == "wor":
-                qi = torch.where(exists[:, None], _normalise(qi.scatter(1, tok, 0.0)), qi)
+            acc, r, qi = try_sibling(r, qi, tok, u, exists & ~moved, exists, tree.sampled == "wor")
             path[:, level] = torch.where(acc, child, path[:, level])
             moved |= acc
         if tv is not None:
@@ -213,6 +210,23 @@ def walk_sampled(ctx: VerifyContext, generator: torch.Generator, relax_fn: Optio
     if tv is not None:
         tv = torch.where(torch.arange(depth + 1, device=dev)[None] <= n_acc[:, None], tv, float("nan"))
     return Verdict(path, n_acc, sample_residual(emit(r, row, ctx), generator), tv)
+
+
+def _try_sibling(r: Tensor, qi: Tensor, tok: Tensor, u: Tensor, active: Tensor, exists: Tensor,
+                 wor: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """One sibling of walk_sampled's recursive rejection: the draft tok (B, 1) drawn from qi (B, V) (q with the
+    earlier siblings removed, wor) is accepted where u (B,) < r(tok) / qi(tok) on the active rows (its node's turn,
+    no sibling accepted yet); where it exists and is rejected, r becomes norm(max(r - qi, 0)) (r itself where that
+    is empty: r == qi) and, without replacement, tok leaves qi. Returns (accepted (B,), r, qi)."""
+    rn = _normalise(r)
+    prob = ratio(rn.gather(1, tok).squeeze(1), qi.gather(1, tok).squeeze(1))
+    rest = _normalise((rn - qi).clamp(min=0))
+    rest = torch.where(rest.sum(-1, keepdim=True) > 0, rest, rn)  # r == q: nothing is ever rejected
+    acc = (u < prob) & active
+    r = torch.where((exists & ~acc)[:, None], rest, r)  # rows that accepted leave r behind: unused
+    if wor:
+        qi = torch.where(exists[:, None], _normalise(qi.scatter(1, tok, 0.0)), qi)
+    return acc, r, qi
 
 
 def _sampled_law(p_tilde: Tensor, q: Tensor, kids: Tensor, scheme: str, emit: EmitFn, row: Tensor,
@@ -234,30 +248,61 @@ def _sampled_law(p_tilde: Tensor, q: Tensor, kids: Tensor, scheme: str, emit: Em
     return torch.where((n > 0)[:, None], law, emit(p_tilde, row, ctx))
 
 
-def transport(r: Tensor, q: Tensor, table: Tensor, want: Tensor, budget: Optional[float] = None) -> Tensor:
+def transport(r: Tensor, q: Tensor, edges: tuple[Tensor, Tensor], want: Tensor,
+              budget: Optional[float] = None) -> Tensor:
     """r (B, V) with some of its mass moved toward q along codebook edges; the relaxed target of a verifier on
     sampled drafts. Every token v inside r's support with a deficit d(v) = q(v) - r(v) > 0 asks for up to
-    min(want(v), d(v)) from the excess e(u) = r(u) - q(u) > 0 of its nearest codes table[v] (V, k), split in
-    proportion to their excess; a code asked for more than its excess gives pro rata; budget caps the total moved
-    mass (scaling every flow). Mass only moves from where r exceeds q to nearby codes where q exceeds r, so each
-    unit moved raises the acceptance of a sampled draft, sum_x min(r~, q), by exactly one unit, and the TV of r~
-    to r is the total moved."""
-    B, V = r.shape
-    if table.shape[1] == 0:
+    min(want(v), d(v)) from the excess e(u) = r(u) - q(u) > 0 of its nearest codes, split in proportion to their
+    excess; a code asked for more than its excess gives pro rata; budget caps the total moved mass (scaling every
+    flow). Mass only moves from where r exceeds q to nearby codes where q exceeds r, so each unit moved raises the
+    acceptance of a sampled draft, sum_x min(r~, q), by exactly one unit, and the TV of r~ to r is the total moved.
+
+    edges: (A, A^T) of `neighbour_edges(table)`, A[v, u] = how often u is among v's nearest codes. v asks each
+    neighbour u for the share f(v) = min(want, avail) / avail of its excess (avail(v) = (A e)(v)), so a code's
+    requests total e(u) (A^T f)(u), its give ratio is g(u) = min(1, e(u) / that), and the flows are three sparse
+    products over the edges, never a (B, V, k) tensor."""
+    A, At = edges
+    if A._nnz() == 0:
         return r
-    excess = (r - q).clamp(min=0)
+    if A.dtype != r.dtype:
+        A, At = A.to(r.dtype), At.to(r.dtype)
+    excess = (r - q).clamp(min=0)  # (B, V)
     want = torch.minimum(want, torch.where(r > 0, (q - r).clamp(min=0), torch.zeros_like(r)))
-    src = excess[:, table]  # (B, V, k): the excess of each code's neighbours
-    avail = src.sum(-1)
-    req = src * (torch.minimum(want, avail) / avail.clamp(min=1e-30))[..., None]
-    idx = table.reshape(1, -1).expand(B, -1)
-    asked = torch.zeros_like(r).scatter_add_(1, idx, req.reshape(B, -1))
+    avail = (A @ excess.T).T  # (B, V) the excess of each code's neighbours
+    f = torch.minimum(want, avail) / avail.clamp(min=1e-30)  # (B, V) the share of it each code asks for
+    share = (At @ f.T).T  # (B, V) the shares asked of each code, summed
+    asked = excess * share
     give = torch.where(asked > excess, excess / asked.clamp(min=1e-30), torch.ones_like(r))
-    flow = req * give[:, table]
+    given = excess * give  # (B, V) what each code gives per unit share asked
+    pulled, pushed = f * (A @ given.T).T, given * share  # (B, V) mass in, mass out
     if budget is not None:
-        total = flow.sum((1, 2))
-        flow = flow * torch.where(total > budget, budget / total.clamp(min=1e-30), torch.ones_like(total))[:, None, None]
-    return r + flow.sum(-1) - torch.zeros_like(r).scatter_add_(1, idx, flow.reshape(B, -1))
+        total = pulled.sum(-1, keepdim=True)
+        scale = torch.where(total > budget, budget / total.clamp(min=1e-30), torch.ones_like(total))
+        pulled, pushed = pulled * scale, pushed * scale
+    return r + pulled - pushed
+
+
+_EDGES: dict[tuple, tuple] = {}
+
+
+def neighbour_edges(table: Tensor, device=None) -> tuple[Tensor, Tensor]:
+    """(V, k) neighbour table -> (A, A^T), sparse CSR (V, V) on `device`: A[v, u] = how often u is among v's k
+    nearest codes (`transport`'s edges). Built once per table and device (cached in memory; the entry keeps the
+    table alive, so its storage is not reused under the same key)."""
+    device = torch.device(device or table.device)
+    key = (table.data_ptr(), tuple(table.shape), table.stride(), str(table.device), str(device))
+    if key not in _EDGES:
+        V, k = table.shape
+        rows = torch.arange(V).repeat_interleave(k)
+        A = torch.sparse_coo_tensor(torch.stack([rows, table.cpu().reshape(-1)]), torch.ones(V * k), (V, V),
+                                    check_invariants=True)
+        A = A.coalesce().to(device)
+        if len(_EDGES) >= 16:
+            _EDGES.pop(next(iter(_EDGES)))
+        with warnings.catch_warnings():  # "sparse CSR support is in beta": matrix products are all we use
+            warnings.simplefilter("ignore", UserWarning)
+            _EDGES[key] = (table, A.to_sparse_csr(), A.t().coalesce().to_sparse_csr())
+    return _EDGES[key][1:]
 
 
 def sample_residual(r: Tensor, generator: torch.Generator) -> Tensor:
@@ -451,10 +496,12 @@ def lantern(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
         raise ValueError(f"lantern k={k} but the neighbour table holds {table.shape[1]} neighbours per code")
 
     if ctx.tree.sampled:  # LANTERN's neighbourhood and budget as a transport of p toward q (docs/method.md)
+        edges = neighbour_edges(table[:, :k], ctx.p.device)
+
         def relax(p_node, q, row, ctx):
             p_node = _normalise(p_node)
             want = torch.ones_like(p_node) if delta <= 1 else (delta - 1) * p_node
-            return transport(p_node, q, table[:, :k], want, budget=delta if delta <= 1 else None)
+            return transport(p_node, q, edges, want, budget=delta if delta <= 1 else None)
 
         return walk_sampled(ctx, generator, relax)
 
@@ -696,7 +743,7 @@ def gasv(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
     k = o.k
     if not 0 <= k <= cal.neighbours.shape[1]:
         raise ValueError(f"gasv k={k} but the calibration's neighbour table holds {cal.neighbours.shape[1]}")
-    g_all = gasv_scores(ctx.logits, ctx.p, cal, o.kappa, o.lambda_, o.a_kappa, o.a_lambda, o.eps)
+    g_all = fused(gasv_scores, ctx.fuse)(ctx.logits, ctx.p, cal, o.kappa, o.lambda_, o.a_kappa, o.a_lambda, o.eps)
     table = cal.neighbours[:, :k].to(ctx.p.device)
     ar = torch.arange(ctx.p.shape[0], device=ctx.p.device)
 
@@ -708,9 +755,11 @@ def gasv(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
         return r.gather(1, tok[:, None]).squeeze(1) + moved.sum(-1), rest
 
     if ctx.tree.sampled:  # the share g(v) of v's deficit to q, pulled from its k nearest codes (docs/method.md)
+        edges = neighbour_edges(cal.neighbours[:, :k], ctx.p.device)
+
         def relax(p_node, q, row, ctx):
             p_node = _normalise(p_node)
-            return transport(p_node, q, table, g_all[ar, row] * (q - p_node).clamp(min=0))
+            return transport(p_node, q, edges, g_all[ar, row] * (q - p_node).clamp(min=0))
 
         return walk_sampled(ctx, generator, relax)
 
