@@ -412,7 +412,7 @@ def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: S
     em = Emitted.first(first, b.T, measure)
     zero = torch.zeros(b.B, dtype=torch.long, device=first.device)
     root = commit_pairs(drafter, b, drafter.fuse([h[:, -1:] for h in out.hidden]), first[:, None], zero, zero)
-    dists = fused(target_dists, compile)
+    dists, commit = fused(target_dists, compile), fused(commit_accepted, compile)
     tick = clock.tick if clock is not None else _no_tick
     tick("prefill")
     while em.unfinished():
@@ -438,10 +438,7 @@ def speculative_generate(target: Transformer, drafter, cond: Tensor, sampling: S
         path = verdict.path[:, :M]  # (B, M) accepted node indices, -1 past m
         if compile:  # one commit width: the longest path the tree holds
             path = torch.nn.functional.pad(path, (0, spec.max_depth - M), value=-1)
-        new = emitted_tokens(tree.tokens.gather(1, path.clamp(min=0)), m, verdict.next_token)  # (B, M + 1)
-        rows = b.dup(torch.cat([torch.zeros_like(m)[:, None], 1 + path.clamp(min=0)], 1))  # (GB, M + 1) of `out`
-        feats = drafter.fuse([h.gather(1, rows[..., None].expand(-1, -1, h.shape[-1])) for h in out.hidden])
-        root = commit_pairs(drafter, b, feats, new, m, n)
+        new, root = commit(drafter, b, out.hidden, tree.tokens, path, m, verdict.next_token, n)  # new: (B, M + 1)
         tick("commit")
         em.commit(new, m, live, verdict.tv)
     tick("rest")
@@ -466,6 +463,18 @@ def move_accepted(target: Transformer, path: Tensor, m: Tensor, base: Tensor, us
         cache = layer.attention.kv_cache
         for buf in (cache.k, cache.v):
             buf[:GB].scatter_(2, dst_i, buf[:GB].gather(2, src_i))
+
+
+def commit_accepted(drafter, b: Batch, taps: tuple[Tensor, ...], tokens: Tensor, path: Tensor, m: Tensor,
+                    next_token: Tensor, n: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    """A round's emitted tokens and the drafter's commit of them: path (B, M) the accepted nodes of the tree's
+    tokens (B, N) (the first m (B,) valid), next_token (B,) the correction / bonus; taps: the tree forward's
+    hidden states (GB, N + 1, H) each, row 0 the root. Returns (the tokens new (B, M + 1), the next round's
+    drafter root from `commit_pairs`)."""
+    new = emitted_tokens(tokens.gather(1, path.clamp(min=0)), m, next_token)  # (B, M + 1)
+    rows = b.dup(torch.cat([torch.zeros_like(m)[:, None], 1 + path.clamp(min=0)], 1))  # (GB, M + 1) of the taps
+    feats = drafter.fuse([h.gather(1, rows[..., None].expand(-1, -1, h.shape[-1])) for h in taps])
+    return new, commit_pairs(drafter, b, feats, new, m, n)
 
 
 def commit_pairs(drafter, b: Batch, feats: Tensor, new: Tensor, m: Tensor, n: Tensor) -> tuple[Tensor, Tensor]:
@@ -517,10 +526,10 @@ def draft(drafter, b: Batch, root: tuple[Tensor, Tensor], n: Tensor, spec: SpecC
     dist = _draft_dist(sampling, b.grammar, spec.draft, fuse)
     logp = dist(logits[:, None], n[:, None])[:, 0]
     if spec.draft == "sample":
-        return _draft_tree(drafter, b, logp, hidden, n, spec, sampling, dist, generator)
+        return _draft_tree(drafter, b, logp, hidden, n, spec, sampling, generator, fuse)
     if spec.tree == "chain":
         return _draft_chain(drafter, b, logp, hidden, n, spec.depth, sampling)
-    return _draft_tree(drafter, b, logp, hidden, n, spec, sampling, dist)
+    return _draft_tree(drafter, b, logp, hidden, n, spec, sampling, fuse=fuse)
 
 
 def _draft_dist(sampling: SamplingConfig, grammar: Grammar, policy: str,
@@ -546,11 +555,12 @@ def _sampled_logq(logits: Tensor, pos: Tensor, sampling: SamplingConfig, grammar
     return torch.where(empty, grammar.log_probs(g.log_softmax(-1), pos), logq).log_softmax(-1)
 
 
-def _draft_tree(drafter, b: Batch, root_logp, root_hidden, n, spec: SpecConfig, sampling, dist,
-                generator: Optional[torch.Generator] = None):
+def _draft_tree(drafter, b: Batch, root_logp, root_hidden, n, spec: SpecConfig, sampling,
+                generator: Optional[torch.Generator] = None, fuse: bool = False):
     """EAGLE-2/3 dynamic tree, a static one, or a sampled one: expansions are drafter pairs written after the
     committed ones (slots n, n + 1, ... in expansion order) that see the committed pairs and their own ancestors'
-    pairs. dist: _draft_dist (ranked, or sampled from)."""
+    pairs (`_expansion`, one drafter forward per level; fused under torch.compile when `fuse`)."""
+    step = fused(_expansion, fuse)
     B, dev = root_logp.shape[0], root_logp.device
     Ld, H = drafter.cache_length, root_hidden.shape[-1]
     committed = torch.arange(Ld, device=dev)[None, :] < n[:, None]  # (B, Ld) the pairs every node sees
@@ -560,33 +570,49 @@ def _draft_tree(drafter, b: Batch, root_logp, root_hidden, n, spec: SpecConfig, 
              "hid": torch.zeros(root_hidden.shape[0], 0, H, device=dev, dtype=root_hidden.dtype)}
 
     def expand(tree, pick):
-        M, k = tree.size, pick.shape[1]
-        rows, hid = state["rows"], state["hid"]
-        if rows.shape[1] < M:
-            rows = torch.cat([rows, rows.new_zeros(B, M - rows.shape[1], Ld)], 1)
-            hid = torch.cat([hid, hid.new_zeros(hid.shape[0], M - hid.shape[1], H)], 1)
-        slots = n[:, None] + state["used"] + torch.arange(k, device=dev)  # (B, k)
-        parent = tree.parents.gather(1, pick)  # (B, k)
-        at_root = (parent < 0)[..., None]  # (B, k, 1)
-        mask = torch.where(at_root, committed[:, None], rows.gather(1, parent.clamp(min=0)[..., None].expand(-1, -1, Ld)))
-        mask = mask.scatter(2, slots[..., None], True)  # (B, k, Ld)
-        mask[:, :, Ld - 1] = False  # the junk slot is never attended
-        rows = rows.scatter(1, pick[..., None].expand(-1, -1, Ld), mask)
-        in_hid = torch.where(b.dup(at_root), root_hidden.expand(-1, k, -1),
-                             hid.gather(1, b.dup(parent.clamp(min=0))[..., None].expand(-1, -1, H)))
-        depth = tree.depth.gather(1, pick)
-        rope = (b.C + n[:, None] - 1 + depth).clamp(max=b.max_pos)
-        out = drafter(b.dup(tree.tokens.gather(1, pick)), in_hid, input_pos=b.dup(slots), mask=b.dup(mask),
-                      rope_pos=b.dup(rope))
-        hid = hid.scatter(1, b.dup(pick)[..., None].expand(-1, -1, H), out.hidden)
-        state.update(used=state["used"] + k, rows=rows, hid=hid)
-        return dist(out.logits, n[:, None] + depth)
+        logq, state["rows"], state["hid"] = step(drafter, tree.tokens, tree.parents, tree.depth, pick, state["rows"],
+                                                 state["hid"], committed, root_hidden, n, state["used"], b.C,
+                                                 b.max_pos, b.use_cfg, sampling, b.grammar, spec.draft)
+        state["used"] += pick.shape[1]
+        return logq
 
     if spec.draft == "sample":
         return sampled_tree(root_logp, expand, spec.choices(), spec.siblings, generator)
     if spec.tree == "static":
         return static_tree(root_logp, expand, static_choices(spec.depth, spec.top_k_draft, spec.total_tokens))
     return dynamic_tree(root_logp, expand, spec.depth, spec.top_k_draft, spec.total_tokens)
+
+
+def _expansion(drafter, tokens: Tensor, parents: Tensor, depth: Tensor, pick: Tensor, rows: Tensor, hid: Tensor,
+               committed: Tensor, root_hidden: Tensor, n: Tensor, used: int, C: int, max_pos: int, use_cfg: bool,
+               sampling: SamplingConfig, grammar: Grammar, policy: str) -> tuple[Tensor, Tensor, Tensor]:
+    """One draft level: the drafter's forward over the picked nodes pick (B, k) of the tree built so far (tokens,
+    parents, depth (B, M)), their pairs at drafter slots n + used + 0 .. k - 1. rows (B, M', Ld): each expanded
+    node's mask row (the committed pairs (B, Ld), its ancestors' pairs and its own; never the junk slot Ld - 1);
+    hid (GB, M', H): each expanded node's output hidden state; a child's row is its parent's plus its own slot, a
+    child of the root reads root_hidden (GB, 1, H). Returns (the picked nodes' log-distributions (B, k, V) under
+    the draft policy (`_ranked_logq` / `_sampled_logq`), rows, hid), both grown to M nodes."""
+    B, M = tokens.shape
+    k, Ld, H = pick.shape[1], committed.shape[1], root_hidden.shape[-1]
+    if rows.shape[1] < M:
+        rows = torch.cat([rows, rows.new_zeros(B, M - rows.shape[1], Ld)], 1)
+        hid = torch.cat([hid, hid.new_zeros(hid.shape[0], M - hid.shape[1], H)], 1)
+    slots = n[:, None] + used + torch.arange(k, device=n.device)  # (B, k)
+    parent = parents.gather(1, pick)  # (B, k)
+    at_root = (parent < 0)[..., None]  # (B, k, 1)
+    mask = torch.where(at_root, committed[:, None], rows.gather(1, parent.clamp(min=0)[..., None].expand(-1, -1, Ld)))
+    mask = mask.scatter(2, slots[..., None], True)  # (B, k, Ld)
+    mask[:, :, Ld - 1] = False  # the junk slot is never attended
+    rows = rows.scatter(1, pick[..., None].expand(-1, -1, Ld), mask)
+    in_hid = torch.where(_dup(at_root, use_cfg), root_hidden.expand(-1, k, -1),
+                         hid.gather(1, _dup(parent.clamp(min=0), use_cfg)[..., None].expand(-1, -1, H)))
+    d = depth.gather(1, pick)  # (B, k)
+    rope = (C + n[:, None] - 1 + d).clamp(max=max_pos)
+    out = drafter(_dup(tokens.gather(1, pick), use_cfg), in_hid, input_pos=_dup(slots, use_cfg),
+                  mask=_dup(mask, use_cfg), rope_pos=_dup(rope, use_cfg))
+    hid = hid.scatter(1, _dup(pick, use_cfg)[..., None].expand(-1, -1, H), out.hidden)
+    logq = (_sampled_logq if policy == "sample" else _ranked_logq)(out.logits, n[:, None] + d, sampling, grammar)
+    return logq, rows, hid
 
 
 def _draft_chain(drafter, b: Batch, root_logp, root_hidden, n, depth, sampling):
@@ -639,7 +665,7 @@ def jacobi_generate(target: Transformer, cond: Tensor, sampling: SamplingConfig,
     old = torch.full((b.B, L + 1), -1, dtype=torch.long, device=first.device)  # no untested drafts yet
     q_old = Q
     noise = jacobi.gumbel(Q.shape, generator, Q.device) if coupling == "gumbel" else None
-    dists = fused(target_dists, compile)
+    dists, next_state = fused(target_dists, compile), fused(jacobi.next_state, compile)
     tick = clock.tick if clock is not None else _no_tick
     tick("prefill")
     while em.unfinished():
@@ -666,7 +692,7 @@ def jacobi_generate(target: Transformer, cond: Tensor, sampling: SamplingConfig,
             drafted = tree.tokens.gather(1, v.path[:, :M].clamp(min=0))
         tick("move")
         em.commit(emitted_tokens(drafted, m, v.next_token), m, live, v.tv)
-        Q, old, q_old = jacobi.next_state(layout, tree, p, v.path, m)
+        Q, old, q_old = next_state(layout, tree, p, v.path, m)
         if noise is not None:
             noise = jacobi.shift_noise(noise, m + 1, generator)
         tick("commit")
