@@ -79,6 +79,8 @@ def test_compiled_rows_beside_the_eager_ones():
     assert rows["vanilla"]["compile_s"] > 0 and all(r["ms_per_image"] > 0 for r in rows.values())
     # greedy: the compiled loops accept what the eager ones do
     assert rows["exact-chain"]["tau"] == rows["exact-chain"]["eager_tau"] and rows["sjd"]["tau"] > 1.0
+    # each compiled loop against the compiled bare forwards its rounds make (timed in the same passes)
+    assert all(r["limit_ms_per_forward"] > 0 and r["loop_to_limit"] > 0 for r in rows.values())
     md = speculative_markdown(report, "micro")
     assert "Eager and compiled, side by side" in md and "| exact-chain |" in md
     with pytest.raises(ValueError, match="not methods of this bench"):

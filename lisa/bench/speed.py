@@ -18,6 +18,7 @@ from tqdm import tqdm
 from lisa.decoding import costmodel, verify
 from lisa.decoding.costmodel import sync
 from lisa.decoding.generate import Clock, generate, prefix_embeddings, speculative_generate
+from lisa.decoding.generate import compiled as compiled_model
 from lisa.models.gpt import Transformer
 from lisa.decoding.sampling import SamplingConfig
 
@@ -284,12 +285,25 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
         widths = {m.name: (getattr(m, "drafter", "release"), max(1, math.ceil(m.spec().drafted_pairs / calls[m.name])))
                   for m in methods if m.drafts_tree and drafter_of(m) is not None and calls[m.name] > 0}
         bare_d = {w: [] for w in set(widths.values())}
+        # compiled: the same bare forwards under torch.compile (the compiled loops' limit); first calls compile here
+        csizes = sorted({forward_size(m) for m in methods if m.name in compiled})
+        cwidths = {widths[n] for n in compiled if n in widths}
+        cbare_t, cbare_d = {s: [] for s in csizes}, {w: [] for w in cwidths}
+        for s in csizes:
+            costmodel.time_target_forward(compiled_model(target), rows, s, context, reps=1)
+        for which, w in cwidths:
+            costmodel.time_drafter_forward(compiled_model(drafters[which]), rows, w, context, reps=1)
         for r in range(warmup, warmup + repeats):
             timed_pass(r)
             for s in sizes:
                 bare_t[s].append(costmodel.time_target_forward(target, rows, s, context, reps=3))
+                if s in cbare_t:
+                    cbare_t[s].append(costmodel.time_target_forward(compiled_model(target), rows, s, context, reps=3))
             for which, w in bare_d:
                 bare_d[which, w].append(costmodel.time_drafter_forward(drafters[which], rows, w, context, reps=3))
+                if (which, w) in cbare_d:
+                    cbare_d[which, w].append(costmodel.time_drafter_forward(compiled_model(drafters[which]), rows, w,
+                                                                            context, reps=3))
         tput = (bench_throughput(target, drafter_of, methods, conditions, sampling, seed, throughput, geometry,
                                  set(compiled), device, progress)
                 if throughput is not None and throughput.batch_sizes and throughput.methods else None)
@@ -374,15 +388,19 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
             "bare_forward_ms": {int(s): 1000 * v for s, v in bare.items()},
             "bare_forward_ms_all": {int(s): [1000 * x for x in v] for s, v in bare_t.items()},
             "methods": report_methods, "per_condition": per_condition,
-            "compiled": compiled_rows(runs, report_methods, first_call, images, repeats, vanilla),
+            "compiled": compiled_rows(runs, report_methods, first_call, images, repeats, vanilla, {
+                m.name: statistics.median(cbare_t[forward_size(m)]) + (
+                    calls[m.name] * statistics.median(cbare_d[widths[m.name]]) if m.name in widths else 0.0)
+                for m in methods if m.name in compiled}),
             "throughput": tput}
 
 
 def compiled_rows(runs: dict, eager: list[dict], first_call: dict, images: int, repeats: int,
-                  vanilla: Optional[str]) -> list[dict]:
+                  vanilla: Optional[str], limit: Optional[dict] = None) -> list[dict]:
     """Per method timed compiled too: ms per image eager and compiled (the same interleaved passes), each mode's
-    speedup against its own vanilla (never across modes), compiled over eager, tau, and the compile time (its first
-    call less a timed call of the same condition)."""
+    speedup against its own vanilla (never across modes), compiled over eager, tau, the compile time (its first
+    call less a timed call of the same condition), and the compiled loop's time per target forward against its
+    limit (limit: method -> seconds of the compiled bare forwards a round makes, as for the eager rows)."""
     if not any(mode == "compiled" for _, mode in runs):
         return []
     def per_image(name, mode):
@@ -398,7 +416,12 @@ def compiled_rows(runs: dict, eager: list[dict], first_call: dict, images: int, 
         steady = statistics.median(x["wall_s"] for x in rs if x["condition"] == ci)
         lengths = [a for x in rs for row in x["accept_lengths"] for a in row if a > 0]
         ms = per_image(e["name"], "compiled")
+        per_forward = sum(x["wall_s"] for x in rs) / sum(x["forwards"] for x in rs)
+        lim = (limit or {}).get(e["name"])
         out.append({"name": e["name"], "eager_ms_per_image": e["ms_per_image"], "eager_speedup": e.get("speedup"),
+                    "loop_ms_per_forward": 1000 * per_forward, "eager_loop_to_limit": e.get("loop_to_limit"),
+                    "limit_ms_per_forward": 1000 * lim if lim else None,
+                    "loop_to_limit": per_forward / lim if lim else None,
                     "ms_per_image": ms, "speedup": base / ms, "compiled_over_eager": e["ms_per_image"] / ms,
                     "tau": sum(lengths) / len(lengths), "eager_tau": e["tau"], "compile_s": max(first - steady, 0.0),
                     "ms_per_image_all": [1000 * sum(x["wall_s"] for x in rs if x["pass"] == p) / images
@@ -552,14 +575,19 @@ def speculative_markdown(report: dict, title: str) -> str:
                            f"{m['round_ms_total'] / m['bare_round_ms']:.2f} |")
     if report.get("compiled"):
         lines += ["", "Eager and compiled, side by side (the same interleaved passes; compiled: the target's and the "
-                      "drafter's forwards under torch.compile, inductor, static shapes, one graph per shape; the loop's "
-                      "bookkeeping stays eager). Each speedup is against vanilla of the same mode, never across modes.",
+                      "drafter's forwards under torch.compile, inductor, static shapes, one graph per shape, with the loop's "
+                      "pure bookkeeping steps fused (lisa.decoding.fused; the random draws and cache moves stay eager)). "
+                      "Each speedup is against vanilla of the same mode, never across modes; loop / limit: the loop's "
+                      "time per target forward against the bare forwards a round makes, timed in the same mode.",
                   "", "| method | eager ms / image | eager speedup | compiled ms / image | compiled speedup | "
-                      "eager / compiled | tau (eager, compiled) | compile s |", "|---|---|---|---|---|---|---|---|"]
+                      "eager / compiled | tau (eager, compiled) | compile s | loop / limit (eager, compiled) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for c in report["compiled"]:
+            ratio = (f"{c['eager_loop_to_limit']:.2f}, {c['loop_to_limit']:.2f}"
+                     if c.get("loop_to_limit") is not None and c.get("eager_loop_to_limit") is not None else "-")
             lines.append(f"| {c['name']} | {c['eager_ms_per_image']:.1f} | {c['eager_speedup']:.2f}x | "
                          f"{c['ms_per_image']:.1f} | {c['speedup']:.2f}x | {c['compiled_over_eager']:.2f} | "
-                         f"{c['eager_tau']:.2f}, {c['tau']:.2f} | {c['compile_s']:.0f} |")
+                         f"{c['eager_tau']:.2f}, {c['tau']:.2f} | {c['compile_s']:.0f} | {ratio} |")
     tp = report.get("throughput")
     if tp:
         lines += ["", f"Throughput: images per second decoding a batch of b images in one call (each row accepts its "
