@@ -4,7 +4,8 @@ The task graph is read from dvc.yaml through DVC (tasks.pipeline.read_dag): a st
 cell added to params.yaml, appears here with no edit. Each task is `dvc repro --single-item <stage>`, submitted once
 its upstream stages are done: DVC skips it when it is up to date, and records in dvc.lock what it ran, so after a
 flow run `dvc status` is clean and `dvc repro` runs nothing, as after `dvc repro` itself. Independent stages (worlds,
-table cells) run concurrently on the task runner that the settings name (flows.runners).
+table cells) run concurrently on the task runner that the settings name (flows.runners). Every stage's metrics,
+markdown reports and images become Prefect artifacts (`prefect artifact ls`), keyed by stage and file.
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def lisa_full(root: str = ".", stages: list[str] | None = None) -> dict:
     futures = {}
     for name, st in dag.items():  # upstream before downstream
         up = [futures[u] for u in st.upstream if u in futures]
-        futures[name] = repro.submit(name, root, st.metrics, stale=name in stale, upstream=up, cmd=st.cmd)
+        futures[name] = repro.submit(name, root, st.metrics, stale=name in stale, upstream=up, cmd=st.cmd,
+                                      reports=st.reports)
     failed = []
     for name, future in futures.items():
         try:

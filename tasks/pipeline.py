@@ -27,6 +27,7 @@ class DagStage:
     cmd: str
     upstream: tuple[str, ...]    # stages whose outs it depends on
     metrics: tuple[str, ...]     # its metrics files, relative to the repository root
+    reports: tuple[str, ...] = ()  # its outs a person reads: markdown reports and images (Prefect artifacts)
 
     @property
     def family(self) -> str:
@@ -48,8 +49,53 @@ def read_dag(root: str | Path = ".") -> dict[str, DagStage]:
         graph = repo.index.graph  # edge (stage, a stage whose outs it depends on)
         order = list(reversed(list(nx.topological_sort(graph))))
         return {address(s): DagStage(address(s), s.cmd, tuple(sorted(address(u) for u in graph.successors(s))),
-                                     tuple(str(o.def_path) for o in s.outs if o.metric))
+                                     tuple(str(o.def_path) for o in s.outs if o.metric),
+                                     tuple(str(o.def_path) for o in s.outs
+                                           if Path(str(o.def_path)).suffix in REPORT_SUFFIXES))
                 for s in order if s.cmd}
+
+
+REPORT_SUFFIXES = (".md", ".png")
+
+
+def artifact_key(*parts: str) -> str:
+    """A Prefect artifact key (lowercase letters, digits and dashes) from a stage address and a file name."""
+    return re.sub(r"-+", "-", re.sub(r"[^a-z0-9]+", "-", "-".join(parts).lower())).strip("-")
+
+
+def publish(stage: str, root: str | Path, metrics: dict[str, dict], reports: tuple[str, ...] = ()) -> list[str]:
+    """The stage's headline results as Prefect artifacts, one key per stage and file (each flow run adds a version):
+    its metrics JSON as a table (nested keys joined by dots), its markdown reports as markdown, its images as image
+    artifacts (a file:// address on the machine that ran it). Returns the keys."""
+    from prefect.artifacts import create_image_artifact, create_markdown_artifact, create_table_artifact
+
+    keys = []
+    for path, values in metrics.items():
+        rows = [{"metric": k, "value": v} for k, v in _flatten(values).items()][:500]
+        keys.append(artifact_key(stage, Path(path).stem))
+        create_table_artifact(rows, key=keys[-1], description=f"{stage}: {path}")
+    for rel in reports:
+        path = Path(root) / rel
+        if not path.is_file():
+            continue
+        keys.append(artifact_key(stage, path.stem, path.suffix[1:]))
+        if path.suffix == ".md":
+            create_markdown_artifact(path.read_text()[:200_000], key=keys[-1], description=f"{stage}: {rel}")
+        else:
+            create_image_artifact(path.resolve().as_uri(), key=keys[-1], description=f"{stage}: {rel}")
+    return keys
+
+
+def _flatten(d, prefix: str = "") -> dict:
+    """Scalars of a nested JSON object, keyed by dotted paths (lists of scalars kept as they are)."""
+    out = {}
+    for k, v in (d.items() if isinstance(d, dict) else []):
+        name = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, name + "."))
+        elif not isinstance(v, list) or all(not isinstance(x, (dict, list)) for x in v[:50]):
+            out[name] = v if not isinstance(v, list) else v[:50]
+    return out
 
 
 def select(dag: dict[str, DagStage], targets: list[str]) -> dict[str, DagStage]:
@@ -152,12 +198,13 @@ def _repro_torchrun(stage: str, cmd: str, launch: list[str], root: str) -> str:
 
 @task(name="repro", task_run_name="{stage}")
 def repro(stage: str, root: str = ".", metrics: tuple[str, ...] = (), stale: bool = True,
-          upstream: list[dict] | None = None, cmd: str = "") -> dict:
+          upstream: list[dict] | None = None, cmd: str = "", reports: tuple[str, ...] = ()) -> dict:
     """`dvc repro --single-item stage` in `root`: {"stage", "outcome": ran | skipped | restored, "metrics": {path:
-    its JSON}}. `upstream`: the results of the stages it depends on, run first. A stage that `dvc status` found up
-    to date before the flow started (stale=False), none of whose upstream stages has run since, is still up to
-    date: it is skipped without asking DVC again. A stage of TORCHRUN_STAGES runs its command `cmd` under
-    torchrun when the settings ask for several processes (torchrun_launch)."""
+    its JSON}, "artifacts": the Prefect artifact keys of its metrics and `reports` (publish)}. `upstream`: the
+    results of the stages it depends on, run first. A stage that `dvc status` found up to date before the flow
+    started (stale=False), none of whose upstream stages has run since, is still up to date: it is skipped without
+    asking DVC again. A stage of TORCHRUN_STAGES runs its command `cmd` under torchrun when the settings ask for
+    several processes (torchrun_launch)."""
     launch = torchrun_launch(stage.split("@")[0], root)
     if not stale and all(u["outcome"] == "skipped" for u in upstream or []):
         done = "skipped"
@@ -168,7 +215,7 @@ def repro(stage: str, root: str = ".", metrics: tuple[str, ...] = (), stale: boo
         done = outcome(stage, proc.stdout + proc.stderr)
     print(f"{stage}: {done}")
     read = {m: json.loads((Path(root) / m).read_text()) for m in metrics if (Path(root) / m).is_file()}
-    return {"stage": stage, "outcome": done, "metrics": read}
+    return {"stage": stage, "outcome": done, "metrics": read, "artifacts": publish(stage, root, read, reports)}
 
 
 @task(name="new-target")

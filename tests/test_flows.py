@@ -100,6 +100,33 @@ def test_dag_comes_from_dvc_yaml(tmp_path):
     assert read_dag(repo)["report"].upstream == ("join",)
 
 
+def test_stage_results_become_prefect_artifacts(tmp_path, harness):
+    """A stage's metrics (a table, nested keys dotted), markdown reports and images (file:// addresses) are
+    Prefect artifacts keyed by stage and file."""
+    from prefect import flow
+    from prefect.artifacts import Artifact
+
+    from tasks.pipeline import artifact_key, publish
+
+    (tmp_path / "reports").mkdir()
+    (tmp_path / "reports/bench.md").write_text("## Bench\n\n| a | b |\n|---|---|\n| 1 | 2 |\n")
+    (tmp_path / "reports/grid.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    metrics = {"reports/m.json": {"tau": 2.5, "speed": {"eager": 1.1, "compiled": 0.9}, "hist": [1, 2]}}
+
+    @flow
+    def one():
+        return publish("bench-spec@fashion-c2i", tmp_path, metrics,
+                       ("reports/bench.md", "reports/grid.png", "reports/missing.md"))
+
+    keys = one()
+    assert keys == ["bench-spec-fashion-c2i-m", "bench-spec-fashion-c2i-bench-md", "bench-spec-fashion-c2i-grid-png"]
+    table = Artifact.get(keys[0])
+    assert table.type == "table" and "speed.compiled" in str(table.data) and "0.9" in str(table.data)
+    assert Artifact.get(keys[1]).type == "markdown" and "## Bench" in Artifact.get(keys[1]).data
+    assert Artifact.get(keys[2]).type == "image" and "file://" in str(Artifact.get(keys[2]).data)
+    assert artifact_key("eval-method@emoji-t2i-lisa_sampled", "x.y") == "eval-method-emoji-t2i-lisa-sampled-x-y"
+
+
 def test_outcome_reads_dvc_log():
     from tasks.pipeline import outcome
 
@@ -112,7 +139,7 @@ def test_flow_keeps_dvc_semantics_both_ways(tmp_path, harness, flow):
     repo = toy_repo(tmp_path / "toy")
     first = flow(root=str(repo))
     assert ran(first) == {"make@a", "make@b", "make@c", "make@d", "join"}
-    assert first["join"]["metrics"] == {"m.json": {"total": 3}}
+    assert first["join"]["metrics"] == {"m.json": {"total": 3}} and first["join"]["artifacts"] == ["join-m"]
     assert json.loads(dvc(["status", "--json"], repo)) == {}       # the lock is current ...
     assert "Running stage" not in dvc(["repro"], repo)             # ... so dvc repro runs nothing
     assert ran(flow(root=str(repo))) == set()                      # nor does the flow again
