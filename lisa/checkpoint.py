@@ -109,7 +109,8 @@ def check_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], path, ignore
     unexpected = sorted(keys - set(expected))
     shapes = [f"{k}: file {tuple(sd[k].shape)} vs model {tuple(expected[k].shape)}"
               for k in sorted(keys & set(expected)) if sd[k].shape != expected[k].shape]
-    if missing or unexpected or shapes:
+    bad = nonfinite(sd, keys)
+    if missing or unexpected or shapes or bad:
         parts = []
         if missing:
             parts.append(f"missing keys ({len(missing)}): {_clip(missing)}")
@@ -117,7 +118,15 @@ def check_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], path, ignore
             parts.append(f"unexpected keys ({len(unexpected)}): {_clip(unexpected)}")
         if shapes:
             parts.append(f"shape mismatches ({len(shapes)}): {_clip(shapes)}")
+        if bad:
+            parts.append(f"NaN or inf values in {len(bad)} tensors: {_clip(bad)}")
         raise CheckpointError(f"{path} does not fit {type(model).__name__}: " + "; ".join(parts))
+
+
+def nonfinite(tensors: dict[str, torch.Tensor], keys=None) -> list[str]:
+    """The names of the floating tensors (of `keys`, default all) that hold a NaN or an inf."""
+    return sorted(k for k in (tensors if keys is None else keys)
+                  if tensors[k].is_floating_point() and not bool(torch.isfinite(tensors[k]).all()))
 
 
 def _clip(items: list[str], n: int = 8) -> str:
@@ -146,6 +155,10 @@ def save_artifact(model: nn.Module, path: str | os.PathLike, kind: str, config, 
     (e.g. torch.float16) stores floating tensors smaller; loading casts them back into the model's dtype."""
     path = Path(path)
     tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    bad = nonfinite(tensors)
+    if bad:  # a diverged run: nothing is written, the last good checkpoint stays
+        raise CheckpointError(f"{path}: not saved: the {kind} has NaN or inf weights in {len(bad)} tensors "
+                              f"({_clip(bad, 4)}); training diverged (lower the learning rate?)")
     if store_dtype is not None:
         tensors = {k: v.to(store_dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     atomic_write(path, lambda tmp: save_file(tensors, tmp))

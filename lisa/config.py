@@ -14,7 +14,7 @@ import dataclasses
 import typing
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional
+from typing import Annotated, Any, Callable, Literal, Optional
 
 import yaml
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, ValidationInfo, field_validator
@@ -27,6 +27,10 @@ from lisa.models.gpt import GPTConfig, gpt_config
 from lisa.models.vq import VQConfig, vq_config
 
 STRICT = ConfigDict(extra="forbid", strict=False)
+# sizes and counts: an int (true / 2.0 are not one) >= 1, or >= 0 where 0 means "none"; a share in [0, 1]
+Count = Annotated[int, Field(ge=1, strict=True)]
+Count0 = Annotated[int, Field(ge=0, strict=True)]
+Share = Annotated[float, Field(ge=0.0, le=1.0)]
 
 
 class ConfigError(ValueError):
@@ -85,13 +89,13 @@ class BuildDatasetParams:
 @dataclass(config=STRICT)
 class TrainParams:
     """What every training loop shares (lisa/training/loops.py): steps, batch, warm-up + cosine schedule, checkpoints."""
-    steps: int = 2000
-    batch_size: int = 64
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup: int = 50
-    checkpoint_every: int = 100
-    eval_batch_size: int = 256
+    steps: Count = 2000
+    batch_size: Count = 64
+    lr: Annotated[float, Field(gt=0)] = 1e-3
+    min_lr: Annotated[float, Field(ge=0)] = 1e-4
+    warmup: Count0 = 50
+    checkpoint_every: Count = 100
+    eval_batch_size: Count = 256
     seed: int = 0
 
 
@@ -105,7 +109,7 @@ class TrainTokenizerParams(TrainParams):
 
 @dataclass(config=STRICT)
 class EncodeParams:
-    batch_size: int = 256
+    batch_size: Count = 256
 
 
 @dataclass(config=STRICT)
@@ -130,9 +134,9 @@ class Sampling:
     """The top-level `sampling` section (lisa.decoding.sampling.SamplingConfig): the values every sampling section
     inherits unless it sets its own; a world's `sampling` is over both."""
     temperature: float = 1.0
-    top_k: int = 0  # keep the k most likely tokens (0 = all)
+    top_k: Count0 = 0  # keep the k most likely tokens (0 = all)
     top_p: float = 1.0
-    cfg_scale: float = 4.0
+    cfg_scale: Annotated[float, Field(ge=0)] = 4.0  # 1 = off; 0 = the unconditional model
 
 
 SAMPLING_KEYS = frozenset(f.name for f in dataclasses.fields(Sampling))
@@ -166,14 +170,14 @@ class _Method:
 class DraftTree:
     """The draft tree of a speculative method (lisa.decoding.generate.SpecConfig)."""
     tree: Literal["dynamic", "static", "chain", "auto"] = "dynamic"  # auto: lisa.decoding.costmodel picks the size
-    depth: int = 4  # draft levels
-    top_k_draft: int = 4  # children per expanded node (dynamic, static)
-    total_tokens: int = 16  # draft nodes verified per round (dynamic, static)
+    depth: Count = 4  # draft levels
+    top_k_draft: Count = 4  # children per expanded node (dynamic, static)
+    total_tokens: Count = 16  # draft nodes verified per round (dynamic, static)
     # how siblings are drafted: the drafter's top-k (deterministic) | drawn from its q with the round's generator
     # (lossless with exact at any temperature; needs a shape fixed before drawing: chain, static or `branching`)
     draft: Literal["topk", "sample"] = "topk"
     siblings: Literal["wor", "iid"] = "wor"  # sampled siblings: without replacement | i.i.d.
-    branching: list[int] = Field(default_factory=list)  # sampled trees: children per node per level, e.g. [3, 2, 1, 1]
+    branching: list[Count] = Field(default_factory=list)  # sampled trees: children per node per level, e.g. [3, 2, 1, 1]
 
     def spec_config(self, verifier: str) -> SpecConfig:
         """The tree as the decode loop reads it; tree "auto" must be resolved first (lisa.bench.speed.auto_tree)."""
@@ -188,7 +192,7 @@ class DecodeMethod(DraftTree, _Method):
     """A decoding method: vanilla, a verifier of a drafter's trees (DraftTree), or a drafter-free Jacobi verifier
     over a window; `options` are the verifier's knobs, checked against its options type at load
     (lisa.decoding.verify.verifier_options)."""
-    window: int = 16  # sjd / gsd draft window
+    window: Count = 16  # sjd / gsd draft window
     options: dict[str, float] = Field(default_factory=dict)  # e.g. lantern {k, delta}, gasv {kappa, lambda, k}
     drafter: Literal["release", "lid"] = "release"  # data/drafter/<world> (baseline loss) | ablate-lid's LID drafter
 
@@ -229,10 +233,10 @@ class SampleParams(SamplingParams, DecodeMethod):
     # t2i: MS-COCO 2017 captions (captions_val2017.json), the longest caption per image, the first `num_prompts`
     # images by id; used instead of `prompts` when set (lisa.data.datasets.coco_prompts)
     prompts_file: Optional[str] = None
-    num_prompts: int = 16
-    per_class: int = 4
-    batch_size: int = 8
-    neighbours: int = 32  # geometry: nearest codes kept per code (lantern, gsd)
+    num_prompts: Count = 16
+    per_class: Count = 4
+    batch_size: Count = 8
+    neighbours: Count = 32  # geometry: nearest codes kept per code (lantern, gsd)
     compile: bool = False  # the forwards under torch.compile (lisa.decoding.generate.compiled)
 
     @field_validator("drafter")
@@ -245,8 +249,8 @@ class SampleParams(SamplingParams, DecodeMethod):
 
 @dataclass(config=STRICT)
 class PremiseParams:
-    cfg_scale: float = 4.0
-    max_sequences: int = 512  # held-out images measured (all their positions)
+    cfg_scale: Annotated[float, Field(ge=0)] = 4.0
+    max_sequences: Count = 512  # held-out images measured (all their positions)
     neighbours: list[int] = Field(default_factory=lambda: [8, 32])
     seed: int = 0
 
@@ -256,13 +260,13 @@ class TrainDrafterParams(TrainTargetParams):
     """Baseline EAGLE-3 drafter training with the training-time test (lisa/training/drafter.py); cond_drop gives
     unconditional rows, so the drafter drafts for both halves of a CFG batch."""
     weight_decay: float = 0.0
-    ttt_steps: int = 4  # unrolled drafting steps
+    ttt_steps: Count = 4  # unrolled drafting steps
     ttt_decay: float = 0.8  # loss weight decay^s of step s
-    grad_accum: int = 1  # micro-batches per step (batch_size = ranks x grad_accum x micro-batch)
+    grad_accum: Count = 1  # micro-batches per step (batch_size = ranks x grad_accum x micro-batch)
     precision: Literal["fp32", "bf16", "auto"] = "fp32"  # bf16 autocast; auto = bf16 on a GPU that has it
-    eval_every: int = 100  # held-out curve point every N steps (0 = none)
-    eval_sequences: int = 128  # held-out sequences per curve point
-    eval_topk: int = 4  # the held-out top-k target mass (acceptance of a node with k drafted children)
+    eval_every: Count0 = 100  # held-out curve point every N steps (0 = none)
+    eval_sequences: Count = 128  # held-out sequences per curve point
+    eval_topk: Count = 4  # the held-out top-k target mass (acceptance of a node with k drafted children)
 
 
 @dataclass(config=STRICT)
@@ -280,18 +284,18 @@ class TrainJudgeParams(TrainParams):
 @dataclass(config=STRICT)
 class CacheLogitsParams:
     """The target logit cache (lisa/training/cache.py): a teacher-forced pass over a world's training codes -> Parquet."""
-    K: int = 64  # top-K logits kept per position
-    max_sequences: Optional[int] = 4096  # the first N training sequences (None = all)
-    shard_size: int = 512  # sequences per shard (the unit of resumption and of work per torchrun rank)
-    batch_size: int = 64
-    uncond_every: int = 10  # every 10th sequence also gets an unconditional pass (CFG-aware drafters)
+    K: Count = 64  # top-K logits kept per position
+    max_sequences: Optional[Count] = 4096  # the first N training sequences (None = all)
+    shard_size: Count = 512  # sequences per shard (the unit of resumption and of work per torchrun rank)
+    batch_size: Count = 64
+    uncond_every: Count0 = 10  # every 10th sequence also gets an unconditional pass (CFG-aware drafters)
 
 
 @dataclass(config=STRICT)
 class SelfGeneratedParams(SamplingParams):
     """The `self-generated` corpus: the target's own samples (conditions: classes in turn, or training captions)."""
-    n: int = 512
-    batch_size: int = 64
+    n: Count = 512
+    batch_size: Count = 64
 
 
 @dataclass(config=STRICT)
@@ -332,37 +336,37 @@ class AblateLIDParams(SamplingParams, DraftTree):
     """LID against the baseline loss: two drafters trained from the same logit cache, with train_drafter's
     settings but `steps`, then their acceptance length under `exact` on sample.classes / sample.prompts (the
     draft tree: DraftTree's keys, `spec_config("exact")`)."""
-    steps: int = 300
+    steps: Count = 300
     lid: LIDParams = Field(default_factory=LIDParams)
-    per_class: int = 2  # seeds per class / prompt for the acceptance measurement
+    per_class: Count = 2  # seeds per class / prompt for the acceptance measurement
 
 
 @dataclass(config=STRICT)
 class QualityParams:
     """FID / KID settings shared by `fid-reference` and `evaluate` (lisa/quality/fid.py, lisa/quality/metrics.py)."""
-    max_images: int = 2000  # size of each reference set (held-out capped at its split size) and of unigram samples
-    inception_batch: int = 50
-    kid_subsets: int = 100
-    kid_subset_size: int = 1000
+    max_images: Count = 2000  # size of each reference set (held-out capped at its split size) and of unigram samples
+    inception_batch: Count = 50
+    kid_subsets: Count = 100
+    kid_subset_size: Count = 1000
     seed: int = 0
 
 
 @dataclass(config=STRICT)
 class EvaluateParams(SamplingParams):
     """Vanilla CFG samples scored by FID / KID against held-out images and by the world's judge."""
-    num_samples: int = 2000
-    batch_size: int = 250
+    num_samples: Count = 2000
+    batch_size: Count = 250
 
 
 @dataclass(config=STRICT)
 class BenchParams:
     target: dict[str, Any] = Field(default_factory=lambda: {"preset": "GPT-B"})  # random weights
-    num_tokens: int = 256  # image tokens decoded per run
-    batch_size: int = 1
+    num_tokens: Count = 256  # image tokens decoded per run
+    batch_size: Count = 1
     cfg_scales: list[float] = Field(default_factory=lambda: [1.0, 4.0])
-    repeats: int = 3
-    warmup: int = 1
-    threads: int = 0  # torch threads; 0 = torch's default
+    repeats: Count = 3
+    warmup: Count0 = 1
+    threads: Count0 = 0  # torch threads; 0 = torch's default
     seed: int = 0
 
 
@@ -379,10 +383,10 @@ class BenchMethod(DecodeMethod, _Named):
 @dataclass(config=STRICT)
 class AutoTreeParams:
     """The cost model behind tree: auto (lisa/decoding/costmodel.py)."""
-    max_depth: int = 6  # the calibration tree: this depth, every drafted node kept
+    max_depth: Count = 6  # the calibration tree: this depth, every drafted node kept
     sizes: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64])  # total_tokens tried
-    calib_conditions: int = 4  # conditions decoded to learn acceptance and loop costs
-    reps: int = 5  # timed repetitions of each bare forward
+    calib_conditions: Count = 4  # conditions decoded to learn acceptance and loop costs
+    reps: Count = 5  # timed repetitions of each bare forward
 
 
 @dataclass(config=STRICT)
@@ -391,7 +395,7 @@ class ThroughputParams:
     batches, where each row accepts its own length."""
     batch_sizes: list[int] = Field(default_factory=lambda: [1, 4, 16])
     methods: list[str] = Field(default_factory=list)  # bench_spec.methods names (vanilla first); empty: skipped
-    repeats: int = 2  # timed passes (median) after one warm-up pass
+    repeats: Count = 2  # timed passes (median) after one warm-up pass
     compiled: bool = False  # also the compiled forwards, for the methods bench_spec.compiled names
 
     @field_validator("batch_sizes")
@@ -406,12 +410,12 @@ class ThroughputParams:
 class BenchSpecParams(SamplingParams):
     """Speculative decoding benchmark of a world's target and drafter: every method on the same conditions
     (sample.classes / sample.prompts) with the same seeds, interleaved after a warm-up."""
-    per_class: int = 1  # seeds per class / prompt
-    batch_size: int = 1
-    repeats: int = 2
-    warmup: int = 1
-    neighbours: int = 32  # geometry table (lantern, gsd)
-    threads: int = 0  # torch threads; 0 = torch's default
+    per_class: Count = 1  # seeds per class / prompt
+    batch_size: Count = 1
+    repeats: Count = 2
+    warmup: Count0 = 1
+    neighbours: Count = 32  # geometry table (lantern, gsd)
+    threads: Count0 = 0  # torch threads; 0 = torch's default
     methods: list[BenchMethod] = Field(default_factory=lambda: [BenchMethod("vanilla")])
     auto: AutoTreeParams = Field(default_factory=AutoTreeParams)
     # methods (names) also timed with their forwards under torch.compile, against compiled vanilla
@@ -422,12 +426,12 @@ class BenchSpecParams(SamplingParams):
 @dataclass(config=STRICT)
 class CalibrateParams:
     """GASV's offline calibration (lisa/training/calibrate.py): clusters, budgets, neighbour table for one target."""
-    clusters: int = 64
-    budget_quantile: float = 0.5
-    min_count: int = 256
-    positions: int = 65536
-    neighbours: int = 64
-    eps: float = 1e-6
+    clusters: Count = 64
+    budget_quantile: Share = 0.5
+    min_count: Count0 = 256
+    positions: Count = 65536
+    neighbours: Count = 64
+    eps: Annotated[float, Field(gt=0)] = 1e-6
     seed: int = 0
 
 
@@ -445,8 +449,8 @@ class TableCell(DecodeMethod):
 class TableParams(SamplingParams):
     """The results table (reports/table.md): per world and method, speedup and tau from `bench-spec`, FID / KID,
     the judge's score and the measured TV relaxation from an `eval-method` cell of `num_samples` samples."""
-    num_samples: int = 200
-    batch_size: int = 50
+    num_samples: Count = 200
+    batch_size: Count = 50
     compile: bool = False  # decode with the forwards under torch.compile (lisa.decoding.generate.compiled)
     rows: list[str] = Field(default_factory=lambda: ["vanilla"])  # table rows: names in cells and bench_spec.methods
     pareto: list[str] = Field(default_factory=list)  # cells on the tau-FID plot (a kappa / lambda sweep)
@@ -555,6 +559,12 @@ def parse_params(raw: Any, source: str = "params.yaml") -> Params:
             except (ValueError, TypeError) as e:
                 raise ConfigError(f"{source}: section 'worlds.{name}.{section}': {e}") from None
         g, v = world.gpt_config(), world.vq_config()
+        small = {k: getattr(g, k) for k in ("n_layer", "n_head", "dim", "vocab_size", "block_size") if getattr(g, k) < 1}
+        if small:
+            raise ConfigError(f"{source}: section 'worlds.{name}.target': sizes must be >= 1, got {small}")
+        if params.cache_logits.K > g.vocab_size:
+            raise ConfigError(f"{source}: section 'cache_logits': K {params.cache_logits.K} is above world {name!r}'s "
+                              f"vocabulary ({g.vocab_size} codes)")
         if world.target_checkpoint is None and g.block_size != v.grid_size**2:
             raise ConfigError(f"{source}: world {name!r}: target block_size {g.block_size} != tokenizer grid "
                               f"{v.grid_size}x{v.grid_size} (image_size {v.image_size} / downsample {v.downsample})")

@@ -115,3 +115,29 @@ def test_artifact_round_trip_and_hash_check(tmp_path):
     side.unlink()
     with pytest.raises(CheckpointError, match="sidecar"):
         load_target(tmp_path / "m.safetensors")
+
+
+def test_nan_or_inf_weights_are_refused_on_save_and_load(tmp_path):
+    """A diverged model is not saved (nothing written, the message says which tensors); a file that holds NaN or
+    inf weights (an official checkpoint, or one edited by hand) is refused at load, naming them, not decoded into
+    a grey grid."""
+    from lisa.checkpoint import file_sha256, sidecar_path
+
+    model = micro_gpt()
+    with torch.no_grad():
+        model.norm.weight[3] = float("nan")
+    with pytest.raises(CheckpointError, match=r"not saved.*NaN or inf weights in 1 tensors \(norm.weight\)"):
+        save_artifact(model, tmp_path / "nan.safetensors", "gpt", model.config)
+    assert not (tmp_path / "nan.safetensors").exists() and not (tmp_path / "nan.json").exists()
+
+    good = micro_gpt()
+    save_artifact(good, tmp_path / "m.safetensors", "gpt", good.config)
+    from safetensors.torch import load_file, save_file
+    sd = load_file(tmp_path / "m.safetensors")
+    sd["output.weight"][0, 0] = float("inf")
+    save_file(sd, tmp_path / "m.safetensors")
+    side = json.loads(sidecar_path(tmp_path / "m.safetensors").read_text())
+    side["sha256"] = file_sha256(tmp_path / "m.safetensors")  # the sidecar agrees: only the values are bad
+    sidecar_path(tmp_path / "m.safetensors").write_text(json.dumps(side))
+    with pytest.raises(CheckpointError, match=r"NaN or inf values in 1 tensors: output.weight"):
+        load_target(tmp_path / "m.safetensors")

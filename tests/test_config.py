@@ -152,3 +152,31 @@ def test_sampling_default_section_and_world_order():
     raw["sampling"]["tmperature"] = 1.0
     with pytest.raises(ConfigError, match="unknown key 'tmperature' in section 'sampling'"):
         parse_params(raw)
+
+
+@pytest.mark.parametrize("path,value,match", [
+    ("train_drafter.steps", -5, r"'steps' in section 'train_drafter'.*greater than or equal to 1"),
+    ("train_drafter.batch_size", 0, r"'batch_size' in section 'train_drafter'"),
+    ("sample.per_class", True, r"'per_class' in section 'sample'.*valid integer"),
+    ("sample.per_class", -1, r"'per_class' in section 'sample'"),
+    ("sample.batch_size", 0, r"'batch_size' in section 'sample'"),
+    ("sample.cfg_scale", -2.0, r"'cfg_scale' in section 'sample'"),
+    ("calibrate.positions", -1, r"'positions' in section 'calibrate'"),
+    ("calibrate.budget_quantile", 1.5, r"'budget_quantile' in section 'calibrate'.*less than or equal to 1"),
+    ("cache_logits.max_sequences", 0, r"'max_sequences' in section 'cache_logits'"),
+    ("cache_logits.shard_size", 0, r"'shard_size' in section 'cache_logits'"),
+    ("cache_logits.K", 100_000, r"section 'cache_logits': K 100000 is above world .* vocabulary"),
+    ("table.cells.sjd", {"method": "sjd", "window": 0}, r"'window' in section 'table.cells.sjd'"),
+    ("worlds.fashion-c2i.target.n_layer", -1, r"worlds.fashion-c2i.target"),
+])
+def test_sizes_and_counts_are_checked_at_load(path, value, match):
+    """A count below 1 (or 0 where 0 means none), a bool where a count belongs, a share outside [0, 1] or a top-K
+    above the vocabulary is an error at load naming the key and section, not an untrained model or a traceback."""
+    raw = micro()
+    node = raw
+    *parents, key = path.split(".")
+    for k in parents:
+        node = node.setdefault(k, {})
+    node[key] = value
+    with pytest.raises(ConfigError, match=match):
+        parse_params(raw)
