@@ -141,3 +141,21 @@ def test_nan_or_inf_weights_are_refused_on_save_and_load(tmp_path):
     sidecar_path(tmp_path / "m.safetensors").write_text(json.dumps(side))
     with pytest.raises(CheckpointError, match=r"NaN or inf values in 1 tensors: output.weight"):
         load_target(tmp_path / "m.safetensors")
+
+
+def test_a_target_is_refused_with_another_tokenizer_than_its_codes(tmp_path):
+    """The target's sidecar names its training codes, whose sidecar names their tokenizer: another tokenizer (of the
+    same codebook size: another world's) is an error naming both files; an unknown lineage is not checked."""
+    from lisa.stages.common import check_pair
+
+    root = tmp_path / "root"
+    (root / "data/codes/w").mkdir(parents=True)
+    (root / "data/codes/w/codes.json").write_text(json.dumps({"sha256": "c" * 64, "tokenizer_sha256": "a" * 64}))
+    target = root / "data/target/w/model.safetensors"
+    meta = {"made_from": {"codes": "data/codes/w/codes.safetensors", "codes_sha256": "c" * 64}}
+    check_pair(target, meta, "tok-a.safetensors", {"sha256": "a" * 64})
+    with pytest.raises(ValueError, match=r"trained on the codes of tokenizer aaaaaaaaaaaa.*tok-b.safetensors is "
+                                         r"tokenizer bbbbbbbbbbbb"):
+        check_pair(target, meta, "tok-b.safetensors", {"sha256": "b" * 64})
+    check_pair(target, {"made_from": {"llamagen_checkpoint": "x.pt"}}, "tok-b.safetensors", {"sha256": "b" * 64})
+    check_pair(target, {"made_from": {**meta["made_from"], "codes_sha256": "d" * 64}}, "tok-b", {"sha256": "b" * 64})

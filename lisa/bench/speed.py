@@ -145,8 +145,9 @@ def forward_size(m) -> int:
 
 def breakdown_pass(target: Transformer, drafters: dict, decoders: dict, methods: list, conditions: list[dict],
                    sampling: SamplingConfig, seed: int, device, bar=None) -> dict:
-    """One instrumented pass, apart from the timed ones: per method, where its rounds go. Hooks time every target and
-    drafter forward, and a lisa.decoding.generate.Clock the parts of each round; returns per method the totals
+    """One instrumented pass, apart from the timed ones, the methods interleaved per condition: per method, where its
+    rounds go. Hooks time every target and drafter forward, and a lisa.decoding.generate.Clock the parts of each
+    round; returns per method the totals
     (wall_s, target_s, drafter_s, drafter_calls, forwards, rounds) and round_s: target forward, drafter forwards,
     drafting (sampling and tree bookkeeping around the drafter's forwards: the draft and the commit of the
     accepted pairs), tree forward set-up (masks, positions, embeddings), verification, cache moves and the rest
@@ -154,12 +155,14 @@ def breakdown_pass(target: Transformer, drafters: dict, decoders: dict, methods:
     timers = {"target": ForwardTimer(target, device)}
     for i, d in enumerate({id(d): d for d in drafters.values() if d is not None}.values()):
         timers[f"drafter{i}"] = ForwardTimer(d, device)
+    totals = {m.name: {"wall_s": 0.0, "target_s": 0.0, "drafter_s": 0.0, "drafter_calls": 0, "forwards": 0,
+                       "rounds": 0, "target_prefill_s": 0.0, "drafter_prefill_s": 0.0,
+                       "clock": {p: 0.0 for p in Clock.PARTS}} for m in methods}
     out = {}
     try:
-        for m in methods:
-            tot = {"wall_s": 0.0, "target_s": 0.0, "drafter_s": 0.0, "drafter_calls": 0, "forwards": 0, "rounds": 0,
-                   "target_prefill_s": 0.0, "drafter_prefill_s": 0.0, "clock": {p: 0.0 for p in Clock.PARTS}}
-            for ci, c in enumerate(conditions):
+        for ci, c in enumerate(conditions):  # methods interleaved per condition: a slow spell hits them all alike
+            for m in methods:
+                tot = totals[m.name]
                 gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + ci * 7919)
                 for t in timers.values():
                     t.reset()
@@ -180,6 +183,8 @@ def breakdown_pass(target: Transformer, drafters: dict, decoders: dict, methods:
                     tot["clock"][p] += v
                 if bar is not None:
                     bar.update()
+        for m in methods:
+            tot = totals[m.name]
             k = tot.pop("clock")
             if m.method == "vanilla":
                 rs = {"target forward": tot["target_s"], "rest": tot["wall_s"] - tot["target_s"]}

@@ -11,7 +11,8 @@ from lisa.checkpoint import write_json
 from lisa.config import BenchParams, BenchSpecParams, SampleParams, WorldParams
 from lisa.models.gpt import Transformer, gpt_config
 from lisa.models.llamagen import load_target, load_tokenizer
-from lisa.stages.common import calibration_sha, class_names, load_geometry, method_drafters, text_encoder
+from lisa.stages.common import (calibration_sha, check_pair, class_names, load_geometry, method_drafters,
+                                text_encoder)
 from lisa.stages.paths import SharedPaths, Stage, WorldPaths
 from lisa.stages.render import plot_bench, write_lines
 
@@ -72,6 +73,7 @@ def bench_spec(world: WorldParams, sample_p: SampleParams, p: BenchSpecParams, p
         torch.set_num_threads(p.threads)
     model, target_meta = load_target(paths.target_file)
     vq, vq_meta = load_tokenizer(paths.tokenizer_file)
+    check_pair(paths.target_file, target_meta, paths.tokenizer_file, vq_meta)
     cfg = model.config
     _check_methods(p)
     drafters = method_drafters(p.methods, {"release": paths.drafter_file, "lid": paths.lid_drafter_file}, target_meta)

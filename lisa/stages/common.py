@@ -15,6 +15,30 @@ from lisa.models.gpt import grammar_grid, square_image_grammar
 from lisa.models.llamagen import load_drafter
 from lisa.quality import judges
 
+def check_pair(target_file, target_meta: dict, tokenizer_file, vq_meta: dict) -> None:
+    """Refuse a target with a tokenizer other than the one whose codes it was trained on: the target's sidecar names
+    its training codes (made_from: codes, codes_sha256), whose sidecar names their tokenizer's sha256. A lineage
+    that cannot be followed (an imported checkpoint, codes no longer on disk) is not checked; sizes are, by the
+    caller."""
+    made = target_meta.get("made_from") or {}
+    codes, codes_sha = made.get("codes"), made.get("codes_sha256")
+    if not codes or not codes_sha:
+        return
+    up = Path(target_file).resolve().parents  # a root's data/target/<world>/model.safetensors: codes are root-relative
+    for side in [Path(codes).with_suffix(".json")] + ([up[3] / Path(codes).with_suffix(".json")] if len(up) > 3 else []):
+        if side.is_file():
+            import json
+
+            meta = json.loads(side.read_text())
+            if meta.get("sha256") != codes_sha or not meta.get("tokenizer_sha256"):
+                return  # other codes than those it was trained on: nothing to compare
+            if meta["tokenizer_sha256"] != vq_meta.get("sha256"):
+                raise ValueError(f"{target_file} was trained on the codes of tokenizer {meta['tokenizer_sha256'][:12]} "
+                                 f"({codes}), but {tokenizer_file} is tokenizer {str(vq_meta.get('sha256'))[:12]}: "
+                                 "a target decodes only with the tokenizer of its training codes (--tokenizer)")
+            return
+
+
 def caption_encoder(world: WorldParams) -> CaptionEncoder:
     """The world's caption encoder: MiniLM (the default) or a local model directory (T5)."""
     return CaptionEncoder(None if world.caption_encoder in (None, "minilm") else world.caption_encoder)

@@ -19,8 +19,8 @@ from lisa.data import datasets as data
 from lisa.models.llamagen import load_target, load_tokenizer
 from lisa.quality import fid, judges
 from lisa.quality import metrics as quality
-from lisa.stages.common import (calibration_sha, class_names, eval_conditions, image_tokenizer, judge_scores,
-                                load_geometry, load_images, method_drafters)
+from lisa.stages.common import (calibration_sha, check_pair, class_names, eval_conditions, image_tokenizer,
+                                judge_scores, load_geometry, load_images, method_drafters)
 from lisa.stages.paths import Stage, WorldPaths
 from lisa.stages.render import quality_grid, write_lines
 
@@ -120,6 +120,7 @@ def _scored(paths: WorldPaths, n: int) -> _Scored:
     """Load what `evaluate` and `eval-method` score against; the reference must be of this tokenizer."""
     model, target_meta = load_target(paths.target_file)
     vq, vq_meta = load_tokenizer(paths.tokenizer_file)
+    check_pair(paths.target_file, target_meta, paths.tokenizer_file, vq_meta)
     vq = image_tokenizer(vq, model.config)  # lm targets: the grammar is dropped before decoding
     judge, judge_meta = judges.load_judge(paths.judge_file)
     ref, _, ref_meta = quality.read_reference(paths.reference_file)

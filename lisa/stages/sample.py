@@ -18,7 +18,8 @@ from lisa.bench.speed import auto_tree, resolve_auto
 from lisa.decoding.sampling import SamplingConfig
 from lisa.models.llamagen import load_drafter, load_target, load_tokenizer
 from lisa.quality.premise import premise_stats
-from lisa.stages.common import class_names, load_codes, load_geometry, target_codebook, text_conditions
+from lisa.stages.common import (check_pair, class_names, load_codes, load_geometry, target_codebook,
+                                text_conditions)
 from lisa.stages.paths import Stage, WorldPaths
 
 
@@ -42,6 +43,7 @@ def sample(world: WorldParams, p: SampleParams, paths: WorldPaths) -> dict:
     -> samples_dir/{grid.png, tokens.pt, metrics.json}."""
     model, target_meta = load_target(paths.target_file)
     vq, vq_meta = load_tokenizer(paths.tokenizer_file)
+    check_pair(paths.target_file, target_meta, paths.tokenizer_file, vq_meta)
     cfg = model.config
     if (cfg.free_vocab or cfg.vocab_size) != vq.config.codebook_size:
         raise ValueError(f"{paths.target_file} samples {cfg.free_vocab or cfg.vocab_size} codes but "
