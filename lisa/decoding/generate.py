@@ -9,7 +9,9 @@ built-in shapes; their outputs are inference tensors, clone them before an in-pl
 starts with the same preamble (`start`: caches, key mask, grammar) and `prefill`; the
 speculative loops commit through `Emitted` and return `DecodeStats`. `compile=True` runs the target's and the
 drafter's forwards under torch.compile (`compiled`: static shapes, one graph per shape, compiled on first use and
-shared by every loop of the same model); the loop's own bookkeeping stays eager.
+shared by every loop of the same model); the loop's pure bookkeeping steps
+(distributions, a draft level, the walk's sibling step, the commit) are fused too (lisa.decoding.fused); the random
+draws, the walk's control flow and the cache moves stay eager.
 """
 from __future__ import annotations
 
