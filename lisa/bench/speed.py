@@ -580,8 +580,9 @@ def speculative_markdown(report: dict, title: str) -> str:
                            f"{m['round_ms_total'] / m['bare_round_ms']:.2f} |")
     if report.get("compiled"):
         lines += ["", "Eager and compiled, side by side (the same interleaved passes; compiled: the target's and the "
-                      "drafter's forwards under torch.compile, inductor, static shapes, one graph per shape, with the loop's "
-                      "pure bookkeeping steps fused (lisa.decoding.fused; the random draws and cache moves stay eager)). "
+                      "drafter's forwards under torch.compile, inductor, static shapes, one graph per shape, with the "
+                      "loop's pure bookkeeping steps fused (lisa.decoding.fused; the random draws and cache moves stay "
+                      "eager)). "
                       "Each speedup is against vanilla of the same mode, never across modes; loop / limit: the loop's "
                       "time per target forward against the bare forwards a round makes, timed in the same mode.",
                   "", "| method | eager ms / image | eager speedup | compiled ms / image | compiled speedup | "

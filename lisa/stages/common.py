@@ -2,6 +2,7 @@
 images and codes of a world, the drafters and geometry the decoding methods read."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Optional
 
@@ -15,6 +16,7 @@ from lisa.models.gpt import grammar_grid, square_image_grammar
 from lisa.models.llamagen import load_drafter
 from lisa.quality import judges
 
+
 def check_pair(target_file, target_meta: dict, tokenizer_file, vq_meta: dict) -> None:
     """Refuse a target with a tokenizer other than the one whose codes it was trained on: the target's sidecar names
     its training codes (made_from: codes, codes_sha256), whose sidecar names their tokenizer's sha256. A lineage
@@ -27,8 +29,6 @@ def check_pair(target_file, target_meta: dict, tokenizer_file, vq_meta: dict) ->
     up = Path(target_file).resolve().parents  # a root's data/target/<world>/model.safetensors: codes are root-relative
     for side in [Path(codes).with_suffix(".json")] + ([up[3] / Path(codes).with_suffix(".json")] if len(up) > 3 else []):
         if side.is_file():
-            import json
-
             meta = json.loads(side.read_text())
             if meta.get("sha256") != codes_sha or not meta.get("tokenizer_sha256"):
                 return  # other codes than those it was trained on: nothing to compare
