@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 from lisa import __version__
 from lisa.checkpoint import CheckpointError
 from lisa.config import ConfigError, load_params, profile_text
-from lisa.stages import STAGES, run_stage
+from lisa.stages import STAGES, SharedPaths, WorldPaths, run_stage
 
 
 def cmd_bench_gpu(a):
@@ -130,8 +133,68 @@ def cmd_plan(a):
 
 
 def cmd_profile(a):
-    sys.stdout.write(profile_text(a.name))
+    text = profile_text(a.name)
+    if not a.workspace:
+        sys.stdout.write(text)
+        return None
+    workspace(a.name, text, a.workspace)
     return None
+
+
+def _git(*args: str, cwd=".") -> str:
+    proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+    if proc.returncode:
+        raise ValueError(f"git {' '.join(args)}: {proc.stderr.strip() or proc.stdout.strip()}")
+    return proc.stdout
+
+
+def workspace(name: str, text: str, folder: str) -> Path:
+    """A workspace of its own for profile `name`: a git worktree of this repository's HEAD at `folder` with the
+    profile as its params.yaml, sharing this checkout's DVC cache. `dvc repro` there rebuilds the profile's
+    pipeline and never writes this checkout's committed release artifacts."""
+    root = Path(_git("rev-parse", "--show-toplevel").strip())
+    dest = Path(folder).resolve()
+    if dest.exists() and any(dest.iterdir()):
+        raise ValueError(f"--workspace {folder}: exists and is not empty")
+    _git("worktree", "add", "--detach", str(dest), "HEAD", cwd=root)
+    (dest / "params.yaml").write_text(text)
+    cache = root / ".dvc" / "cache"
+    if (root / ".dvc").is_dir():  # the same content-addressed cache: nothing is stored twice
+        (dest / ".dvc" / "config.local").write_text(f"[cache]\n    dir = {cache}\n")
+    print(f"workspace {dest}: git worktree of {root} at HEAD, params.yaml = the {name} profile, DVC cache {cache}.\n"
+          f"  cd {dest} && dvc repro     # this checkout's releases stay as they are\n"
+          f"  git worktree remove --force {dest}   # when done", file=sys.stderr)
+    return dest
+
+
+# stages whose output folder is shared: the files (git pathspecs, in it) each run writes
+WRITES = {"bench": ["vanilla.*"], "bench-spec": ["{world}.*"], "table": ["table.*", "pareto.png"],
+          "eval-method": ["{method}.*", "{method}-tv.csv"]}
+
+
+def release_outputs(stage: str, world, options: dict) -> list[str]:
+    """What a stage run by hand would overwrite that is committed to git: its default output paths (`out`,
+    `report`, unless --out / --report name others) that hold tracked files, each with their count. Empty under DVC
+    (`dvc repro` sets DVC_STAGE) and outside a git checkout. Paths are relative to the working directory, as
+    run_stage writes them."""
+    if os.environ.get("DVC_STAGE"):
+        return []
+    st = STAGES[stage]
+    fields = [f for f, flag in ((st.out, "out"), (st.report, "report")) if f and options.get(flag) is None]
+    paths = WorldPaths.of(world) if st.world else SharedPaths.of()
+    found = []
+    for target in [getattr(paths, f) for f in fields if hasattr(paths, f)]:
+        specs = [str(target / w.format(world=world, method=options.get("method"))) for w in WRITES.get(stage, [])]
+        try:
+            listed = _git("ls-files", "--", *(specs or [str(target)])).split()
+        except (ValueError, OSError):  # not a git checkout, or no git
+            return []
+        if specs:
+            found += listed
+        elif listed:
+            n = len(listed)
+            found.append(f"{target}{'/' if Path(target).is_dir() else ''} ({n} file{'s' * (n > 1)})")
+    return found
 
 
 # stage -> (help, its options besides --params, --world and --out)
@@ -179,6 +242,9 @@ COMMANDS = {
                              ["report"]),
     "ablate-lid": ("LID vs the baseline drafter loss: two drafters from the same logit cache, their acceptance "
                    "length under exact verification -> data/ablation/<world>/, reports/ablation/<world>/", []),
+    "ablate-arch": ("a drafter architecture of params ablate_arch.drafters trained from the logit cache, its step "
+                    "against the target's (eager, compiled) and tau / ms per image against vanilla under exact "
+                    "-> reports/ablate-arch/<world>/<drafter>.json and curves", ["arch", "work"]),
     "bench": ("vanilla decode loop of a random-weight target vs its bare forwards -> reports/bench/vanilla.{json,md}",
               []),
     "bench-spec": ("every decoding method of params bench_spec (vanilla, exact tree / chain, lantern, sjd, gsd, gasv, "
@@ -219,6 +285,7 @@ OPTIONS = {
     "method": ("--method", dict(help="vanilla (default: params sample.method), or a verifier: greedy, exact, lantern, "
                                      "gasv (with a drafter; gasv reads data/calibration/<world>), sjd, gsd")),
     "cell": ("--method", dict(required=True, help="a key of params table.cells")),
+    "arch": ("--drafter", dict(dest="drafter", required=True, help="a key of params ablate_arch.drafters")),
     "compile": ("--compile", dict(action="store_true", help="the target's and the drafter's forwards under "
                                   "torch.compile (static shapes; graphs compile on first use; default: params "
                                   "sample.compile / table.compile)")),
@@ -235,6 +302,8 @@ def _add_stages(sub) -> None:
         if STAGES[name].world:
             s.add_argument("--world", required=True, help="world name (a key of params.yaml's `worlds`)")
         s.add_argument("--out", default=None, help="where it writes (default: its path in dvc.yaml)")
+        s.add_argument("--force", action="store_true", help="overwrite outputs committed to git (by hand; DVC's runs "
+                       "always may)")
         for option in options:
             flag, kwargs = OPTIONS[option]
             s.add_argument(flag, **{"default": None} | kwargs)
@@ -316,8 +385,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--status", default=None, help="a file holding the output of `dvc status --json` (default: run it)")
     s.add_argument("--lock", default="dvc.lock")
     s.set_defaults(fn=cmd_plan)
-    p = sub.add_parser("profile", help="print a named params profile (micro, real) to stdout")
+    p = sub.add_parser("profile", help="print a named params profile (micro, real) to stdout, or make it a "
+                       "workspace of its own (--workspace) so that its runs never touch this checkout's releases")
     p.add_argument("name")
+    p.add_argument("--workspace", default=None, help="a new folder: a git worktree of HEAD with the profile as its "
+                   "params.yaml (sharing this checkout's DVC cache); run `dvc repro` there")
     p.set_defaults(fn=cmd_profile)
     return parser
 
@@ -326,7 +398,18 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.stage in STAGES:
-            options = {k: v for k, v in vars(args).items() if k not in ("stage", "params", "world") and v is not None}
+            options = {k: v for k, v in vars(args).items()
+                       if k not in ("stage", "params", "world", "force") and v is not None}
+            world = getattr(args, "world", None)
+            if world is not None:
+                load_params(args.params).world(world)  # a bad params file or world first: the error names it
+            tracked = [] if args.force else release_outputs(args.stage, world, options)
+            if tracked:
+                item = {"eval-method": "method", "ablate-arch": "drafter"}.get(args.stage)  # matrix stages
+                where = (f"{args.stage}@{world}" + (f"-{options[item]}" if item else "")) if world else args.stage
+                raise ValueError(f"would overwrite what git holds in {', '.join(tracked)} (the committed outputs of "
+                                 f"dvc.yaml's stage {where}): `dvc repro {where}` rebuilds them when their inputs "
+                                 "changed; --out writes elsewhere; --force overwrites")
             result = run_stage(args.stage, args.params, getattr(args, "world", None), **options)
         else:
             result = args.fn(args)

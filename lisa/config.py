@@ -256,7 +256,19 @@ class PremiseParams:
 
 
 @dataclass(config=STRICT)
-class TrainDrafterParams(TrainTargetParams):
+class DrafterArch:
+    """A drafter's architecture (lisa.models.drafter.DrafterConfig overrides): train_drafter's, and each of the
+    ablate-arch sweep's."""
+    width: Count0 = 0  # residual width D (0 = the target's dim)
+    ffn_dim: Optional[Count0] = None  # SwiGLU hidden size (None = the target's rule for width D; 0 = none)
+    n_head: Optional[Count] = None  # attention heads (None = the target's; must divide D)
+
+    def overrides(self) -> dict:
+        return {"width": self.width, "ffn_dim": self.ffn_dim} | ({"n_head": self.n_head} if self.n_head else {})
+
+
+@dataclass(config=STRICT)
+class TrainDrafterParams(TrainTargetParams, DrafterArch):
     """Baseline EAGLE-3 drafter training with the training-time test (lisa/training/drafter.py); cond_drop gives
     unconditional rows, so the drafter drafts for both halves of a CFG batch."""
     weight_decay: float = 0.0
@@ -339,6 +351,18 @@ class AblateLIDParams(SamplingParams, DraftTree):
     steps: Count = 300
     lid: LIDParams = Field(default_factory=LIDParams)
     per_class: Count = 2  # seeds per class / prompt for the acceptance measurement
+
+
+@dataclass(config=STRICT)
+class AblateArchParams(SamplingParams, DraftTree):
+    """The drafter's architecture against what it costs and drafts: each of `drafters` trained as ablate-lid's
+    baseline (the logit cache, train_drafter's settings but `steps` and the architecture), then one drafting step
+    against a one-token target step (eager and compiled), and tau and wall clock against vanilla under `exact`
+    with this tree (DraftTree's keys) on sample.classes / sample.prompts."""
+    steps: Count = 300
+    per_class: Count = 2  # seeds per class / prompt for the timed decodes
+    rounds: Count = 21  # interleaved timing rounds of the bare forwards
+    drafters: dict[str, DrafterArch] = Field(default_factory=lambda: {"eagle3": DrafterArch()})
 
 
 @dataclass(config=STRICT)
@@ -492,6 +516,7 @@ class Params:
     train_drafter: TrainDrafterParams = Field(default_factory=TrainDrafterParams)
     cache_logits: CacheLogitsParams = Field(default_factory=CacheLogitsParams)
     ablate_lid: AblateLIDParams = Field(default_factory=AblateLIDParams)
+    ablate_arch: AblateArchParams = Field(default_factory=AblateArchParams)
     corpora: CorporaParams = Field(default_factory=CorporaParams)
     quality: QualityParams = Field(default_factory=QualityParams)
     evaluate: EvaluateParams = Field(default_factory=EvaluateParams)

@@ -189,7 +189,8 @@ def _repro_torchrun(stage: str, cmd: str, launch: list[str], root: str) -> str:
     date, else run it and record it in dvc.lock (`dvc commit`)."""
     if stage not in json.loads(dvc(["status", "--json", stage], root).stdout or "{}"):
         return "skipped"
-    proc = subprocess.run(launch + shlex.split(cmd), cwd=root, env=_env(), capture_output=True, text=True)
+    env = _env() | {"DVC_STAGE": stage}  # as DVC sets it: the stage may write its committed outputs
+    proc = subprocess.run(launch + shlex.split(cmd), cwd=root, env=env, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"`{' '.join(launch)} {cmd}` failed in {root}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     dvc(["commit", "--force", stage], root)

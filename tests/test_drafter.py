@@ -45,6 +45,54 @@ def test_kv_cache_decoding_equals_full_forward():
     torch.testing.assert_close(inc, full.logits, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kw", [dict(width=32, n_head=2), dict(ffn_dim=0), dict(width=32, n_head=2, ffn_dim=16)])
+def test_cheaper_drafters_decode_like_their_full_forward(kw):
+    """A narrower residual stream (width D < H) and a smaller or absent SwiGLU: fused features and hidden states
+    are D wide, the embedding stays the target's (H), cache decoding equals the full forward."""
+    target, d = eagle(**kw)
+    D = kw.get("width") or 64
+    tokens = torch.randint(0, 64, (2, 10))
+    with torch.no_grad():
+        hidden = d.fuse(target.teacher_forced(torch.tensor([1, 2]), tokens, taps=d.config.taps).hidden)
+        assert hidden.shape == (2, 10, D) and d.tok_embeddings.weight.shape == (64, 64)
+        full = d(tokens, hidden)
+        assert full.hidden.shape == (2, 10, D) and full.logits.shape == (2, 10, 64)
+        d.setup_caches(2, 17)
+        first = d(tokens[:, :6], hidden[:, :6], input_pos=torch.arange(6))
+        steps = [d(tokens[:, i : i + 1], hidden[:, i : i + 1], input_pos=torch.tensor([i])) for i in range(6, 10)]
+    inc = torch.cat([first.logits] + [s.logits for s in steps], dim=1)
+    torch.testing.assert_close(inc, full.logits, atol=1e-5, rtol=1e-5)
+    assert hasattr(d, "feed_forward") == (kw.get("ffn_dim") != 0)
+    if "ffn_dim" in kw and kw["ffn_dim"]:
+        assert d.feed_forward.w1.weight.shape == (kw["ffn_dim"], D)
+    assert DrafterConfig.from_dict(d.config.to_dict()) == d.config
+
+
+def test_default_drafter_is_eagle3_and_cheaper_ones_are_smaller():
+    """width 0 / ffn_dim None build the EAGLE-3 layer the release drafters were trained with (same tensors, same
+    initialisation order); narrower ones have fewer parameters and refuse bad sizes."""
+    from lisa.training.drafter import new_drafter
+
+    target = micro_gpt()
+    torch.manual_seed(0)
+    a = new_drafter(target)
+    torch.manual_seed(0)
+    b = new_drafter(target, width=0, ffn_dim=None)
+    assert list(a.state_dict()) == list(b.state_dict())
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert [n for n, _ in a.named_parameters()] == [
+        "tok_embeddings.weight", "fc.weight", "embed_norm.weight", "hidden_norm.weight", "attention.wqkv.weight",
+        "attention.wo.weight", "ffn_norm.weight", "feed_forward.w1.weight", "feed_forward.w3.weight",
+        "feed_forward.w2.weight", "norm.weight", "output.weight"]
+    assert torch.equal(a.output.weight, target.output.weight)  # EAGLE's start: the target's head
+    narrow = new_drafter(target, width=32, n_head=2, ffn_dim=0)
+    count = lambda m: sum(p.numel() for p in m.parameters() if p.requires_grad)
+    assert count(narrow) < count(a) / 2 and not narrow.tok_embeddings.weight.requires_grad
+    for bad, match in ((dict(width=-1), "width"), (dict(ffn_dim=-2), "ffn_dim"), (dict(width=30, n_head=4), "n_head")):
+        with pytest.raises(ValueError, match=match):
+            DrafterConfig.for_target(target.config, **bad)
+
+
 def test_tree_mask_equals_paths():
     """Two siblings at one depth (same RoPE position, masked from each other) = two separate chains."""
     _, d = eagle()

@@ -15,10 +15,10 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 STAGES = ["build-dataset", "train-tokenizer", "encode", "train-target", "init-tokenizer", "init-target", "sample",
           "premise", "fid-reference", "train-judge", "evaluate", "train-drafter", "cache-logits", "ablate-lid",
-          "laion-fixture", "build-laion-coco", "build-self-generated", "calibrate", "eval-method", "table", "bench",
-          "bench-spec"]
+          "ablate-arch", "laion-fixture", "build-laion-coco", "build-self-generated", "calibrate", "eval-method",
+          "table", "bench", "bench-spec"]
 DAG = ["build-dataset", "train-tokenizer", "encode", "train-target", "sample", "premise", "fid-reference",
-       "train-judge", "evaluate", "train-drafter", "cache-logits", "ablate-lid", "bench-spec",
+       "train-judge", "evaluate", "train-drafter", "cache-logits", "ablate-lid", "ablate-arch", "bench-spec",
        "laion-fixture", "build-laion-coco", "build-self-generated", "calibrate", "eval-method", "table", "bench"]
 
 
@@ -98,6 +98,11 @@ def test_dvc_repro_micro(tmp_path, micro_built):
         for curves in (repo / f"reports/drafter/{world}", repo / f"reports/ablation/{world}/lid"):
             assert len((curves / "train.csv").read_text().splitlines()) == 1 + 4
             assert len((curves / "heldout.csv").read_text().splitlines()) == 1 + 2
+        arch = json.loads((repo / f"reports/ablate-arch/{world}/noffn.json").read_text())  # attention only
+        assert arch["config"]["ffn_dim"] == 0 and arch["config"]["dim"] == drafter["config"]["dim"]
+        assert arch["tau"] >= 1.0 and arch["speedup_eager"] > 0 and arch["steps"] == 4
+        assert all(q > 0 for mode in ("eager", "compiled") for q in arch["step_cost"][mode]["q_ratio"].values())
+        assert len((repo / f"reports/ablate-arch/{world}/noffn/heldout.csv").read_text().splitlines()) == 1 + 2
         gen = json.loads((repo / f"reports/corpora/self-generated-{world}.json").read_text())
         assert gen["sequences"] == 8 and gen["target_sha256"] == target_sha
         assert "| exact-auto |" in (repo / f"reports/bench/{world}.md").read_text()

@@ -26,6 +26,7 @@ FUNCTIONS = {
     "train-drafter": (drafter, "train_drafter", tasks.train_drafter),
     "cache-logits": (drafter, "cache_logits", tasks.cache_logits),
     "ablate-lid": (drafter, "ablate_lid", tasks.ablate_lid),
+    "ablate-arch": (drafter, "ablate_arch", tasks.ablate_arch),
     "calibrate": (drafter, "calibrate", tasks.calibrate),
     "bench-ddp": (drafter, "bench_ddp", tasks.bench_ddp),
     "laion-fixture": (corpora, "laion_fixture", tasks.laion_fixture),
@@ -35,7 +36,8 @@ FUNCTIONS = {
     "bench-spec": (bench, "bench_spec", tasks.bench_spec),
     "table": (report, "results_table", tasks.table),
 }
-OPTIONS = {"eval-method": (["--method", "vanilla"], {"method": "vanilla"})}
+OPTIONS = {"eval-method": (["--method", "vanilla"], {"method": "vanilla"}),
+           "ablate-arch": (["--drafter", "eagle3"], {"drafter": "eagle3"})}
 
 
 @pytest.fixture
@@ -86,3 +88,62 @@ def test_paths_are_those_of_dvc_yaml():
     assert p.self_generated_report == Path("root/reports/corpora/self-generated-w.json")
     moved = WorldPaths.of("w", "root", target_dir="elsewhere")
     assert moved.target_file == Path("elsewhere/model.safetensors")
+
+
+def _git_repo(path: Path) -> Path:
+    import subprocess
+
+    path.mkdir(parents=True, exist_ok=True)
+    for cmd in (["init", "-q"], ["config", "user.email", "t@t"], ["config", "user.name", "t"]):
+        subprocess.run(["git", *cmd], cwd=path, check=True)
+    return path
+
+
+def test_a_hand_run_refuses_to_overwrite_what_git_holds(tmp_path, monkeypatch, capsys):
+    """`lisa sample` by hand in a checkout whose grid is committed: refused, naming the files and the ways out;
+    --out elsewhere, --force, or DVC's own run (DVC_STAGE) go ahead; untracked outputs never stop it."""
+    import subprocess
+
+    repo = _git_repo(tmp_path / "repo")
+    monkeypatch.chdir(repo)
+    Path("params.yaml").write_text(profile_text("micro"))
+    ran = []
+    monkeypatch.setattr(sample, "sample", lambda *args, **kwargs: ran.append(kwargs) or {})
+    assert main(["sample", "--world", "fashion-c2i"]) == 0 and len(ran) == 1  # nothing committed yet
+    grid = Path("reports/samples/fashion-c2i/grid.png")
+    grid.parent.mkdir(parents=True)
+    grid.write_bytes(b"png")
+    subprocess.run(["git", "add", "-A"], check=True)
+    subprocess.run(["git", "commit", "-qm", "release"], check=True)
+    assert main(["sample", "--world", "fashion-c2i"]) == 2 and len(ran) == 1
+    err = capsys.readouterr().err
+    assert "reports/samples/fashion-c2i/ (1 file)" in err and "dvc repro sample@fashion-c2i" in err
+    assert "--out" in err and "--force" in err
+    assert main(["sample", "--world", "fashion-c2i", "--out", str(tmp_path / "elsewhere")]) == 0
+    assert main(["sample", "--world", "fashion-c2i", "--force"]) == 0
+    monkeypatch.setenv("DVC_STAGE", "sample@fashion-c2i")
+    assert main(["sample", "--world", "fashion-c2i"]) == 0 and len(ran) == 4
+    assert grid.read_bytes() == b"png"  # the stage function was replaced: nothing was written by the test
+
+
+def test_a_profile_gets_a_workspace_of_its_own(tmp_path, monkeypatch, capsys):
+    """`lisa profile micro --workspace DIR`: a git worktree of HEAD with the profile as params.yaml and this
+    checkout's DVC cache; the checkout's own params.yaml and files are untouched; a non-empty DIR is refused."""
+    import subprocess
+
+    repo = _git_repo(tmp_path / "repo")
+    (repo / ".dvc").mkdir()
+    (repo / ".dvc" / "config").write_text("[core]\n    no_scm = false\n")
+    (repo / "params.yaml").write_text("# the default profile\n")
+    subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
+    subprocess.run(["git", "commit", "-qm", "init"], cwd=repo, check=True)
+    monkeypatch.chdir(repo)
+    ws = tmp_path / "micro"
+    assert main(["profile", "micro", "--workspace", str(ws)]) == 0
+    assert (ws / "params.yaml").read_text() == profile_text("micro")
+    assert (repo / "params.yaml").read_text() == "# the default profile\n"
+    assert str(repo / ".dvc" / "cache") in (ws / ".dvc" / "config.local").read_text()
+    assert str(ws) in subprocess.run(["git", "worktree", "list"], capture_output=True, text=True).stdout
+    assert "dvc repro" in capsys.readouterr().err
+    assert main(["profile", "micro", "--workspace", str(ws)]) == 2
+    assert "not empty" in capsys.readouterr().err

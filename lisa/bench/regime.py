@@ -107,7 +107,8 @@ def drafter_call(drafter: Eagle3Drafter, fwd: Callable, rows: int, new: int, con
     slots = (context + torch.arange(new, device=dev)).expand(rows, new)  # (rows, new)
     mask = (torch.arange(L, device=dev)[None, None, :] <= slots[:, :, None]).expand(rows, new, L)
     tokens = torch.randint(0, drafter.config.vocab_size, (rows, new), device=dev)  # (rows, new)
-    hidden = torch.randn(rows, new, drafter.config.dim, device=dev, dtype=drafter.fc.weight.dtype)  # (rows, new, D)
+    D = drafter.config.model_dim
+    hidden = torch.randn(rows, new, D, device=dev, dtype=drafter.fc.weight.dtype)  # (rows, new, D)
     rope = slots.clamp(max=drafter.rope.shape[0] - 1)
     return lambda: fwd(tokens, hidden, input_pos=slots, mask=mask, rope_pos=rope)
 
@@ -118,6 +119,35 @@ def timed(fn: Callable[[], object], device: torch.device) -> float:
     fn()
     costmodel.sync(device)
     return time.perf_counter() - t0
+
+
+def step_costs(target: Transformer, drafter: Eagle3Drafter, rows: int, nodes: list[int], rounds: int,
+               modes: tuple[str, ...] = MODES) -> dict:
+    """A trained drafter's step against its target's one-token step, side by side: per mode (eager; compiled as in
+    the table), t(1) in ms and q(n) / t(1) for n nodes per row, the median over `rounds` interleaved rounds of the
+    ratio within a round. A half-full cache, CFG rows as the loop calls them."""
+    dev = target.tok_embeddings.weight.device
+    context = target.config.cls_token_num + target.config.block_size // 2
+    target.setup_caches(rows, context + 2)
+    drafter.setup_caches(rows, context + max(nodes) + 1)
+    out = {}
+    for mode in modes:
+        tf = torch.compile(target.forward, dynamic=False, fullgraph=True) if mode == "compiled" else target
+        df = torch.compile(drafter.forward, dynamic=False, fullgraph=True) if mode == "compiled" else drafter
+        calls = {0: target_call(target, tf, rows, 1, context)} | {n: drafter_call(drafter, df, rows, n, context)
+                                                                  for n in nodes}
+        for fn in calls.values():  # compiles (compiled mode), then one untimed call
+            fn(), fn()
+        times: dict[int, list[float]] = {k: [] for k in calls}
+        keys = list(calls)
+        for r in range(rounds):
+            for k in keys[r % len(keys):] + keys[: r % len(keys)]:
+                times[k].append(timed(calls[k], dev))
+        ratio = lambda n: statistics.median(a / b for a, b in zip(times[n], times[0]))  # noqa: E731
+        out[mode] = {"t1_ms": 1000 * statistics.median(times[0]), "q_ratio": {n: ratio(n) for n in nodes}}
+    target.clear_caches()
+    drafter.clear_caches()
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------

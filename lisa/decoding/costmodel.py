@@ -72,7 +72,7 @@ def time_drafter_forward(drafter, rows: int, new: int, context: int, reps: int =
     slots = (context + torch.arange(new, device=dev)).expand(rows, new)
     mask = (torch.arange(L, device=dev)[None, None, :] <= slots[:, :, None]).expand(rows, new, L)
     toks = torch.randint(0, drafter.config.vocab_size, (rows, new), device=dev)
-    hidden = torch.randn(rows, new, drafter.config.dim, device=dev, dtype=next(drafter.parameters()).dtype)
+    hidden = torch.randn(rows, new, drafter.config.model_dim, device=dev, dtype=next(drafter.parameters()).dtype)
     rope = slots.clamp(max=drafter.rope.shape[0] - 1)
     return median_time(lambda: drafter(toks, hidden, input_pos=slots, mask=mask, rope_pos=rope), reps, dev)
 

@@ -1,9 +1,11 @@
 """Drafters for speculative decoding of a target (lisa/models/gpt.py). Architecture only.
 
 EAGLE-3 (`Eagle3Drafter`): the target's hidden states from a low, a middle and a high layer (its `taps`) are
-concatenated and fused 3H -> H (`fuse`); one decoder layer then reads [RMSNorm(token embedding),
-RMSNorm(hidden)] (2H wide: its attention projects 2H -> heads, its residual stream is H wide and starts from the
-hidden state), and its own LM head predicts the next token. Alignment: at sequence position s the drafter gets
+concatenated and fused 3H -> D (`fuse`); one decoder layer then reads [RMSNorm(token embedding),
+RMSNorm(hidden)] (H + D wide: its attention projects H + D -> heads, its residual stream is D wide and starts from
+the hidden state), and its own LM head predicts the next token. D is the target's H (EAGLE-3) unless `width`
+narrows it; `ffn_dim` sizes the layer's SwiGLU (0: none). Both make a drafting step cheaper against the target's
+one-token step (bench-spec measures the ratio). Alignment: at sequence position s the drafter gets
 the target's hidden state at s (which predicted token s + 1) and the embedding of token s + 1, and predicts token
 s + 2. Each step's output hidden state (before the final norm) is what the next drafting step reads in place of
 the target's fused features (training-time test unrolls exactly this). Its KV cache, RoPE table and mask
@@ -44,12 +46,18 @@ class DrafterConfig:
     medusa_heads: int = 4  # medusa
     rope: str = "2d"  # "2d": LlamaGen's grid RoPE; "1d": over sequence positions (chameleon targets)
     rope_length: int = 0  # 1d: positions covered
+    width: int = 0  # eagle3: the drafter's own residual width D (0 = the target's H); fc 3H -> D, head D -> V
+    ffn_dim: Optional[int] = None  # eagle3: the SwiGLU's hidden size (None: the target's rule from D; 0: no SwiGLU)
 
     def __post_init__(self):
         if self.kind not in ("eagle3", "medusa"):
             raise ValueError(f"DrafterConfig.kind must be 'eagle3' or 'medusa', got {self.kind!r}")
-        if self.dim % self.n_head:
-            raise ValueError(f"DrafterConfig: dim {self.dim} not divisible by n_head {self.n_head}")
+        if self.ffn_dim is not None and self.ffn_dim < 0:
+            raise ValueError(f"DrafterConfig.ffn_dim must be >= 0 (0 = no SwiGLU), got {self.ffn_dim}")
+        if self.width < 0:
+            raise ValueError(f"DrafterConfig.width must be >= 0 (0 = the target's dim), got {self.width}")
+        if self.model_dim % self.n_head:
+            raise ValueError(f"DrafterConfig: width {self.model_dim} not divisible by n_head {self.n_head}")
         if self.rope not in ("2d", "1d"):
             raise ValueError(f"DrafterConfig.rope must be '2d' or '1d', got {self.rope!r}")
         if self.kind == "eagle3" and len(self.taps) != 3:
@@ -57,8 +65,13 @@ class DrafterConfig:
         self.taps = [int(t) for t in self.taps]
 
     @property
+    def model_dim(self) -> int:
+        """D, the width of the drafter's residual stream and hidden state (the target's H unless `width` is set)."""
+        return self.width or self.dim
+
+    @property
     def head_dim(self) -> int:
-        return self.dim // self.n_head
+        return self.model_dim // self.n_head
 
     @property
     def kv_heads(self) -> int:
@@ -70,7 +83,9 @@ class DrafterConfig:
 
     @property
     def ffn_hidden(self) -> int:
-        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim is not None:
+            return self.ffn_dim
+        hidden = int(2 * (4 * self.model_dim) / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return find_multiple(hidden, self.multiple_of)
@@ -97,17 +112,18 @@ class DrafterConfig:
 
 class DraftOutput(NamedTuple):
     logits: Tensor  # (B, S, V) fp32 (medusa: (B, S, K, V))
-    hidden: Tensor  # (B, S, H): fed back as the next step's hidden (eagle3)
+    hidden: Tensor  # (B, S, D): fed back as the next step's hidden (eagle3)
 
 
 class DraftAttention(nn.Module):
-    """Attention whose input is 2H wide ([norm(embedding), norm(hidden)]) and whose output is H wide."""
+    """Attention whose input is H + D wide ([norm(embedding), norm(hidden)]) and whose output is D wide."""
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
-        self.wqkv = nn.Linear(2 * cfg.dim, (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        D = cfg.model_dim
+        self.wqkv = nn.Linear(cfg.dim + D, (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(D, D, bias=False)
         self.kv_cache: Optional[KVCache] = None
 
     def forward(self, x: Tensor, rope: Tensor, input_pos: Optional[Tensor], mask: Optional[Tensor]) -> Tensor:
@@ -143,15 +159,17 @@ class Eagle3Drafter(nn.Module):
         if cfg.kind != "eagle3":
             raise ValueError(f"Eagle3Drafter needs kind='eagle3', got {cfg.kind!r}")
         self.config = cfg
+        D = cfg.model_dim
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)  # initialised from the target's, frozen
-        self.fc = nn.Linear(3 * cfg.dim, cfg.dim, bias=False)
+        self.fc = nn.Linear(3 * cfg.dim, D, bias=False)
         self.embed_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.hidden_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.hidden_norm = RMSNorm(D, cfg.norm_eps)
         self.attention = DraftAttention(cfg)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = SwiGLU(cfg.dim, cfg.ffn_hidden)
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.ffn_hidden:
+            self.ffn_norm = RMSNorm(D, cfg.norm_eps)
+            self.feed_forward = SwiGLU(D, cfg.ffn_hidden)
+        self.norm = RMSNorm(D, cfg.norm_eps)
+        self.output = nn.Linear(D, cfg.vocab_size, bias=False)  # from the target's head when D = H
         if cfg.rope == "1d":
             rope = rope_1d_table(cfg.rope_length, cfg.head_dim, cfg.rope_base)
         else:
@@ -179,12 +197,12 @@ class Eagle3Drafter(nn.Module):
         return self.causal.shape[0]
 
     def fuse(self, taps: tuple[Tensor, ...] | list[Tensor]) -> Tensor:
-        """The target's tapped hidden states (3 x (B, S, H)) -> (B, S, H)."""
+        """The target's tapped hidden states (3 x (B, S, H)) -> (B, S, D)."""
         return self.fc(torch.cat(list(taps), dim=-1))
 
     def forward(self, tokens: Tensor, hidden: Tensor, input_pos: Optional[Tensor] = None,
                 mask: Optional[Tensor] = None, rope_pos: Optional[Tensor] = None) -> DraftOutput:
-        """tokens (B, S): the token after each hidden state; hidden (B, S, H): fused target features or the
+        """tokens (B, S): the token after each hidden state; hidden (B, S, D): fused target features or the
         drafter's own previous hidden. input_pos / mask / rope_pos as in Transformer.forward."""
         B, S = tokens.shape
         if rope_pos is None:
@@ -204,7 +222,8 @@ class Eagle3Drafter(nn.Module):
             attn_mask = (mask if mask.dim() == 3 else mask[None])[:, None]
         x = torch.cat([self.embed_norm(self.tok_embeddings(tokens)), self.hidden_norm(hidden)], dim=-1)
         h = hidden + self.attention(x, rope, input_pos, attn_mask)
-        h = h + self.feed_forward(self.ffn_norm(h))
+        if self.config.ffn_hidden:
+            h = h + self.feed_forward(self.ffn_norm(h))
         return DraftOutput(self.output(self.norm(h)).float(), h)
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from lisa.checkpoint import file_sha256, save_artifact, write_json
-from lisa.config import (AblateLIDParams, CacheLogitsParams, CalibrateParams, SampleParams, TrainDrafterParams,
+from lisa.config import (AblateArchParams, AblateLIDParams, CacheLogitsParams, CalibrateParams, SampleParams, TrainDrafterParams,
                          WorldParams)
 from lisa.models.llamagen import load_target, load_tokenizer
 from lisa.stages.common import load_codes, target_codebook, text_conditions
@@ -45,7 +45,7 @@ def train_drafter(p: TrainDrafterParams, paths: WorldPaths, corpus: Optional[str
     d = load_codes(paths.codes_file, target.config.model_type)
     tokens, cond = (d["train_tokens"], d["train_cond"]) if corpus is None else _read_corpus(target, corpus)
     torch.manual_seed(p.seed)
-    drafter = new_drafter(target)
+    drafter = new_drafter(target, **p.overrides())
     metrics = train(drafter, target, tokens, cond, d["test_tokens"][:512], d["test_cond"][:512], p, paths.drafter_work,
                     curves=paths.drafter_curves, target_id=target_meta["sha256"])
     if rank != 0:
@@ -122,16 +122,13 @@ def ablate_lid(world: WorldParams, train_p: TrainDrafterParams, p: AblateLIDPara
     d = load_codes(paths.codes_file, target.config.model_type)
     tp = dataclasses.replace(train_p, steps=p.steps)
     lid = (target_codebook(vq, target.config), LIDConfig(**dataclasses.asdict(p.lid)))
-    if target.config.model_type == "c2i":
-        cond = torch.tensor([c for c in sample_p.classes for _ in range(p.per_class)])
-    else:
-        cond = text_conditions(world, target.config, list(sample_p.prompts)).repeat_interleave(p.per_class, 0)
+    cond = _conditions(world, target, sample_p, p.per_class)
     sampling = world.sampling_config(p)  # the world's own values over the section's
     spec = p.spec_config("exact")
     results = {}
     for name, loss in (("baseline", None), ("lid", lid)):
         torch.manual_seed(tp.seed)
-        drafter = new_drafter(target)
+        drafter = new_drafter(target, **tp.overrides())
         m = train(drafter, target, d["train_tokens"], d["train_cond"], d["test_tokens"][:512], d["test_cond"][:512],
                   tp, paths.ablation_work / name, cache=lc, lid=loss, curves=paths.ablation_report / name,
                   target_id=target_meta["sha256"])
@@ -148,6 +145,65 @@ def ablate_lid(world: WorldParams, train_p: TrainDrafterParams, p: AblateLIDPara
     write_lines(paths.ablation_report / "table.md",
                 ablation_markdown(results, spec, sampling, tp.steps, len(cond), metrics["lid_over_baseline"]))
     return {k: v for k, v in metrics.items() if k != "runs"}
+
+
+def _conditions(world: WorldParams, target, sample_p: SampleParams, per_class: int) -> torch.Tensor:
+    """sample.classes (c2i) or sample.prompts (t2i), each repeated per_class times."""
+    if target.config.model_type == "c2i":
+        return torch.tensor([c for c in sample_p.classes for _ in range(per_class)])
+    return text_conditions(world, target.config, list(sample_p.prompts)).repeat_interleave(per_class, 0)
+
+
+def ablate_arch(world: WorldParams, train_p: TrainDrafterParams, p: AblateArchParams, sample_p: SampleParams,
+                paths: WorldPaths, drafter: str) -> dict:
+    """One drafter architecture of ablate_arch.drafters, trained as ablate-lid's baseline (the logit cache,
+    train_drafter's settings but `steps` and the architecture), then what a round pays for it and what it drafts:
+    its step against the target's one-token step (eager and compiled, interleaved), its held-out acceptance, and
+    tau and ms per image against vanilla under `exact` on the tree (conditions of sample.classes / sample.prompts,
+    vanilla and speculative interleaved per condition, eager) -> arch_report/<drafter>.json and its curves."""
+    from lisa.bench.regime import step_costs
+    from lisa.decoding.generate import decoder
+    from lisa.training.drafter import new_drafter, train_drafter as train
+
+    if drafter not in p.drafters:
+        raise ValueError(f"ablate-arch: no drafter {drafter!r} in ablate_arch.drafters {sorted(p.drafters)}")
+    arch = p.drafters[drafter]
+    target, target_meta = load_target(paths.target_file)
+    lc = cache.open_cache(paths.cache_dir, target_meta["sha256"])
+    d = load_codes(paths.codes_file, target.config.model_type)
+    tp = dataclasses.replace(train_p, steps=p.steps, width=arch.width, ffn_dim=arch.ffn_dim, n_head=arch.n_head)
+    torch.manual_seed(tp.seed)
+    model = new_drafter(target, **tp.overrides())
+    m = train(model, target, d["train_tokens"], d["train_cond"], d["test_tokens"][:512], d["test_cond"][:512], tp,
+              paths.arch_work / drafter, cache=lc, curves=paths.arch_report / drafter, target_id=target_meta["sha256"])
+    model.eval()
+    trainable = sum(x.numel() for x in model.parameters() if x.requires_grad)
+    sampling, spec = world.sampling_config(p), p.spec_config("exact")
+    rows = 2 if sampling.use_cfg else 1  # a forward's rows for one image
+    costs = step_costs(target, model, rows, sorted({1, max(p.branching or [p.top_k_draft])}), p.rounds)
+
+    cond = _conditions(world, target, sample_p, p.per_class)
+    vanilla, speculative = decoder(target), decoder(target, "exact", model, spec)
+    gen = lambda i: torch.Generator().manual_seed(p.seed * 1_000_003 + i)  # noqa: E731
+    vanilla(cond[:1], sampling, gen(0)), speculative(cond[:1], sampling, gen(0))  # warm-up, untimed
+    seconds, tokens, forwards = {"vanilla": 0.0, "exact": 0.0}, 0, 0
+    for i in range(len(cond)):  # interleaved, the order alternating: a slow spell lands on both
+        for name in (("vanilla", "exact") if i % 2 == 0 else ("exact", "vanilla")):
+            t0 = time.perf_counter()
+            out, stats = (vanilla if name == "vanilla" else speculative)(cond[i : i + 1], sampling, gen(i))
+            seconds[name] += time.perf_counter() - t0
+            if name == "exact":
+                tokens, forwards = tokens + out.shape[1] - 1, forwards + stats["forwards"] - 1
+    metrics = {"drafter": drafter, "architecture": dataclasses.asdict(arch), "config": model.config.to_dict(),
+               "trainable_params": trainable, "steps": tp.steps, "train": {k: m[k] for k in ("train_s",
+                                                                                         "steps_per_s_this_run")},
+               "heldout": {k: m[k] for k in ("heldout_soft_ce", "heldout_top1_agreement", "heldout_topk_mass")},
+               "step_cost": costs, "rows": rows, "tree": dataclasses.asdict(spec), "conditions": len(cond),
+               "tau": tokens / max(forwards, 1),
+               "ms_per_image": {k: 1000 * v / len(cond) for k, v in seconds.items()},
+               "speedup_eager": seconds["vanilla"] / seconds["exact"], "target_sha256": target_meta["sha256"]}
+    write_json(paths.arch_report / f"{drafter}.json", metrics)
+    return {k: v for k, v in metrics.items() if k not in ("config", "heldout", "step_cost")}
 
 
 def calibrate(p: CalibrateParams, paths: WorldPaths) -> dict:
@@ -227,6 +283,9 @@ STAGES = {
                           out="cache_dir", report="cache_report"),
     "ablate-lid": Stage(lambda c: ablate_lid(c.world, c.params.train_drafter, c.params.ablate_lid, c.params.sample,
                                              c.paths), out="ablation_dir"),
+    "ablate-arch": Stage(lambda c, drafter="eagle3": ablate_arch(c.world, c.params.train_drafter, c.params.ablate_arch,
+                                                                c.params.sample, c.paths, drafter),
+                         out="arch_report", work="arch_work"),
     "calibrate": Stage(lambda c: calibrate(c.params.calibrate, c.paths), out="calibration_dir",
                        report="calibration_report"),
     "bench-ddp": Stage(lambda c, steps=40: bench_ddp(c.params_path, c.paths, steps), out="bench_ddp_report",

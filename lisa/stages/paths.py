@@ -50,6 +50,8 @@ class WorldPaths:
     ablation_dir: Path
     ablation_work: Path
     ablation_report: Path  # a folder: metrics.json, table.md, the curves of both drafters
+    arch_work: Path
+    arch_report: Path  # a folder: <drafter>.json and <drafter>/{train,heldout}.csv per architecture of ablate-arch
     calibration_dir: Path
     calibration_report: Path
     bench_dir: Path  # bench-spec writes <world>.{json,md,png} here
@@ -89,6 +91,7 @@ class WorldPaths:
             cache_dir=data / "cache" / w, cache_report=reports / "cache" / f"{w}.json",
             ablation_dir=data / "ablation" / w, ablation_work=work / "ablation" / w,
             ablation_report=reports / "ablation" / w,
+            arch_work=work / "ablate-arch" / w, arch_report=reports / "ablate-arch" / w,
             calibration_dir=data / "calibration" / w, calibration_report=reports / "calibration" / f"{w}.json",
             bench_dir=reports / "bench", bench_ddp_report=reports / "bench" / f"ddp-{w}",
             bench_ddp_work=work / "bench-ddp" / w,

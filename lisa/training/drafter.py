@@ -39,10 +39,12 @@ from lisa.training.loops import load_resume, lr_at, save_resume
 
 
 def init_from_target(drafter: Eagle3Drafter, target: Transformer) -> Eagle3Drafter:
-    """EAGLE's start: the target's token embedding (frozen) and its LM head (trained further)."""
+    """EAGLE's start: the target's token embedding (frozen) and its LM head (trained further; a drafter narrower
+    than the target starts its head from scratch)."""
     with torch.no_grad():
         drafter.tok_embeddings.weight.copy_(target.token_embedding_table())
-        drafter.output.weight.copy_(target.output.weight)
+        if drafter.output.weight.shape == target.output.weight.shape:
+            drafter.output.weight.copy_(target.output.weight)
     drafter.tok_embeddings.weight.requires_grad_(False)
     return drafter
 
