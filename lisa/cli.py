@@ -169,12 +169,13 @@ def workspace(name: str, text: str, folder: str) -> Path:
 
 # stages whose output folder is shared: the files (git pathspecs, in it) each run writes
 WRITES = {"bench": ["vanilla.*"], "bench-spec": ["{world}.*"], "table": ["table.*", "pareto.png"],
-          "eval-method": ["{method}.*", "{method}-tv.csv"]}
+          "eval-method": ["{method}.*", "{method}-tv.csv"], "ablate-arch": ["{drafter}.json", "{drafter}/*"]}
 
 
 def release_outputs(stage: str, world, options: dict) -> list[str]:
-    """What a stage run by hand would overwrite that is committed to git: its default output paths (`out`,
-    `report`, unless --out / --report name others) that hold tracked files, each with their count. Empty under DVC
+    """What a stage run by hand would overwrite that is committed to git: the tracked files among the ones it writes
+    in a shared folder (WRITES), else its default output paths (`out`, `report`, unless --out / --report name
+    others) that hold tracked files, each with their count. Empty under DVC
     (`dvc repro` sets DVC_STAGE) and outside a git checkout. Paths are relative to the working directory, as
     run_stage writes them."""
     if os.environ.get("DVC_STAGE"):
@@ -184,7 +185,8 @@ def release_outputs(stage: str, world, options: dict) -> list[str]:
     paths = WorldPaths.of(world) if st.world else SharedPaths.of()
     found = []
     for target in [getattr(paths, f) for f in fields if hasattr(paths, f)]:
-        specs = [str(target / w.format(world=world, method=options.get("method"))) for w in WRITES.get(stage, [])]
+        names = dict(world=world, method=options.get("method"), drafter=options.get("drafter"))
+        specs = [str(target / w.format(**names)) for w in WRITES.get(stage, [])]
         try:
             listed = _git("ls-files", "--", *(specs or [str(target)])).split()
         except (ValueError, OSError):  # not a git checkout, or no git

@@ -194,9 +194,9 @@ def ablate_arch(world: WorldParams, train_p: TrainDrafterParams, p: AblateArchPa
             seconds[name] += time.perf_counter() - t0
             if name == "exact":
                 tokens, forwards = tokens + out.shape[1] - 1, forwards + stats["forwards"] - 1
+    train_speed = {k: m[k] for k in ("train_s", "steps_per_s_this_run")}
     metrics = {"drafter": drafter, "architecture": dataclasses.asdict(arch), "config": model.config.to_dict(),
-               "trainable_params": trainable, "steps": tp.steps, "train": {k: m[k] for k in ("train_s",
-                                                                                         "steps_per_s_this_run")},
+               "trainable_params": trainable, "steps": tp.steps, "train": train_speed,
                "heldout": {k: m[k] for k in ("heldout_soft_ce", "heldout_top1_agreement", "heldout_topk_mass")},
                "step_cost": costs, "rows": rows, "tree": dataclasses.asdict(spec), "conditions": len(cond),
                "tau": tokens / max(forwards, 1),
