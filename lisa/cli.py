@@ -418,6 +418,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"lisa {args.stage}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # --out over a file, a read-only folder, a full disk: what failed and where, no traceback
+        where = f" ({e.filename})" if e.filename and str(e.filename) not in str(e) else ""
+        print(f"lisa {args.stage}: error: {e}{where}", file=sys.stderr)
+        return 2
     if result is not None:
         print(json.dumps({k: v for k, v in result.items() if k != "rows"} if "rows" in result else result, indent=2))
     return 0

@@ -147,3 +147,35 @@ def test_a_profile_gets_a_workspace_of_its_own(tmp_path, monkeypatch, capsys):
     assert "dvc repro" in capsys.readouterr().err
     assert main(["profile", "micro", "--workspace", str(ws)]) == 2
     assert "not empty" in capsys.readouterr().err
+
+
+def test_os_errors_name_the_path_and_leave_the_old_file(tmp_path, monkeypatch, capsys):
+    """A full disk mid-write, --out over an existing file: one error line naming what failed, exit 2, no traceback;
+    the file being replaced keeps its old bytes and no temporary file is left (lisa.checkpoint.atomic_write)."""
+    import errno
+
+    from lisa.checkpoint import atomic_write
+
+    monkeypatch.chdir(tmp_path)
+    Path("params.yaml").write_text(profile_text("micro"))
+    out = tmp_path / "premise.json"
+    out.write_text("old")
+
+    def disk_full(*args, **kwargs):
+        def write(tmp):
+            Path(tmp).write_text("partial")
+            raise OSError(errno.ENOSPC, "No space left on device", tmp)
+
+        atomic_write(out, write)
+
+    monkeypatch.setattr(sample, "premise", disk_full)
+    assert main(["premise", "--world", "fashion-c2i", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lisa premise: error:") and "No space left on device" in err and "Traceback" not in err
+    assert out.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml", "premise.json"]
+
+    monkeypatch.setattr(sample, "premise", lambda *a, **k: atomic_write(out / "inside.json",
+                                                                        lambda t: Path(t).write_text("new")))
+    assert main(["premise", "--world", "fashion-c2i", "--out", str(out / "inside.json")]) == 2
+    err = capsys.readouterr().err  # a file where a folder must be
+    assert "premise.json" in err and "Traceback" not in err and out.read_text() == "old"
