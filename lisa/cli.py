@@ -167,6 +167,8 @@ def workspace(name: str, text: str, folder: str) -> Path:
     return dest
 
 
+# matrix stages: the option that names their item (dvc.yaml's stage name is <stage>@<world>-<item>)
+MATRIX_ITEM = {"eval-method": "method", "ablate-arch": "drafter"}
 # stages whose output folder is shared: the files (git pathspecs, in it) each run writes
 WRITES = {"bench": ["vanilla.*"], "bench-spec": ["{world}.*"], "table": ["table.*", "pareto.png"],
           "eval-method": ["{method}.*", "{method}-tv.csv"], "ablate-arch": ["{drafter}.json", "{drafter}/*"]}
@@ -183,9 +185,9 @@ def release_outputs(stage: str, world, options: dict) -> list[str]:
     st = STAGES[stage]
     fields = [f for f, flag in ((st.out, "out"), (st.report, "report")) if f and options.get(flag) is None]
     paths = WorldPaths.of(world) if st.world else SharedPaths.of()
+    names = dict(world=world, method=options.get("method"), drafter=options.get("drafter"))
     found = []
     for target in [getattr(paths, f) for f in fields if hasattr(paths, f)]:
-        names = dict(world=world, method=options.get("method"), drafter=options.get("drafter"))
         specs = [str(target / w.format(**names)) for w in WRITES.get(stage, [])]
         try:
             listed = _git("ls-files", "--", *(specs or [str(target)])).split()
@@ -407,12 +409,12 @@ def main(argv: list[str] | None = None) -> int:
                 load_params(args.params).world(world)  # a bad params file or world first: the error names it
             tracked = [] if args.force else release_outputs(args.stage, world, options)
             if tracked:
-                item = {"eval-method": "method", "ablate-arch": "drafter"}.get(args.stage)  # matrix stages
+                item = MATRIX_ITEM.get(args.stage)
                 where = (f"{args.stage}@{world}" + (f"-{options[item]}" if item else "")) if world else args.stage
                 raise ValueError(f"would overwrite what git holds in {', '.join(tracked)} (the committed outputs of "
                                  f"dvc.yaml's stage {where}): `dvc repro {where}` rebuilds them when their inputs "
                                  "changed; --out writes elsewhere; --force overwrites")
-            result = run_stage(args.stage, args.params, getattr(args, "world", None), **options)
+            result = run_stage(args.stage, args.params, world, **options)
         else:
             result = args.fn(args)
     except (ConfigError, CheckpointError, ValueError, FileNotFoundError) as e:

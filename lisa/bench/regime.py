@@ -121,6 +121,15 @@ def timed(fn: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
+def interleave(calls: dict, times: dict, rounds: range, device: torch.device) -> None:
+    """Time every call once per round, appending to times[key]; round r starts at key r (rotated: no call always
+    follows the same one)."""
+    keys = list(calls)
+    for r in rounds:
+        for k in keys[r % len(keys):] + keys[: r % len(keys)]:
+            times[k].append(timed(calls[k], device))
+
+
 def step_costs(target: Transformer, drafter: Eagle3Drafter, rows: int, nodes: list[int], rounds: int,
                modes: tuple[str, ...] = MODES) -> dict:
     """A trained drafter's step against its target's one-token step, side by side: per mode (eager; compiled as in
@@ -139,10 +148,7 @@ def step_costs(target: Transformer, drafter: Eagle3Drafter, rows: int, nodes: li
         for fn in calls.values():  # compiles (compiled mode), then one untimed call
             fn(), fn()
         times: dict[int, list[float]] = {k: [] for k in calls}
-        keys = list(calls)
-        for r in range(rounds):
-            for k in keys[r % len(keys):] + keys[: r % len(keys)]:
-                times[k].append(timed(calls[k], dev))
+        interleave(calls, times, range(rounds), dev)
         ratio = lambda n: statistics.median(a / b for a, b in zip(times[n], times[0]))  # noqa: E731
         out[mode] = {"t1_ms": 1000 * statistics.median(times[0]), "q_ratio": {n: ratio(n) for n in nodes}}
     target.clear_caches()
@@ -233,9 +239,7 @@ def _measure_shape(cfg: GPTConfig, rc: RegimeConfig, device: torch.device, log: 
     times: dict[tuple, list[float]] = {k: [timed(calls[k], device)] for k in keys}  # the first timed round
     round_s = time.perf_counter() - t0
     repeats = min(rc.repeats, max(rc.min_repeats, int(rc.time_budget_s / max(round_s, 1e-9))))
-    for r in range(1, repeats):
-        for k in keys[r % len(keys):] + keys[: r % len(keys)]:  # rotated: no call always follows the same one
-            times[k].append(timed(calls[k], device))
+    interleave(calls, times, range(1, repeats), device)
     out["repeats"], out["round_s"] = repeats, round_s
     log(f"  {repeats} interleaved rounds of {round_s:.2f} s")
 

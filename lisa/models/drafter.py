@@ -5,7 +5,7 @@ concatenated and fused 3H -> D (`fuse`); one decoder layer then reads [RMSNorm(t
 RMSNorm(hidden)] (H + D wide: its attention projects H + D -> heads, its residual stream is D wide and starts from
 the hidden state), and its own LM head predicts the next token. D is the target's H (EAGLE-3) unless `width`
 narrows it; `ffn_dim` sizes the layer's SwiGLU (0: none). Both make a drafting step cheaper against the target's
-one-token step (bench-spec measures the ratio). Alignment: at sequence position s the drafter gets
+one-token step (`lisa ablate-arch` measures the ratio). Alignment: at sequence position s the drafter gets
 the target's hidden state at s (which predicted token s + 1) and the embedding of token s + 1, and predicts token
 s + 2. Each step's output hidden state (before the final norm) is what the next drafting step reads in place of
 the target's fused features (training-time test unrolls exactly this). Its KV cache, RoPE table and mask

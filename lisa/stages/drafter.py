@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from lisa.checkpoint import file_sha256, save_artifact, write_json
-from lisa.config import (AblateArchParams, AblateLIDParams, CacheLogitsParams, CalibrateParams, SampleParams, TrainDrafterParams,
-                         WorldParams)
+from lisa.config import (AblateArchParams, AblateLIDParams, CacheLogitsParams, CalibrateParams, SampleParams,
+                         TrainDrafterParams, WorldParams)
 from lisa.models.llamagen import load_target, load_tokenizer
 from lisa.stages.common import load_codes, target_codebook, text_conditions
 from lisa.stages.paths import Stage, WorldPaths
@@ -171,7 +171,7 @@ def ablate_arch(world: WorldParams, train_p: TrainDrafterParams, p: AblateArchPa
     target, target_meta = load_target(paths.target_file)
     lc = cache.open_cache(paths.cache_dir, target_meta["sha256"])
     d = load_codes(paths.codes_file, target.config.model_type)
-    tp = dataclasses.replace(train_p, steps=p.steps, width=arch.width, ffn_dim=arch.ffn_dim, n_head=arch.n_head)
+    tp = dataclasses.replace(train_p, steps=p.steps, **dataclasses.asdict(arch))
     torch.manual_seed(tp.seed)
     model = new_drafter(target, **tp.overrides())
     m = train(model, target, d["train_tokens"], d["train_cond"], d["test_tokens"][:512], d["test_cond"][:512], tp,
