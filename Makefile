@@ -24,7 +24,7 @@ run: setup
 	@echo "Done: sample grids in reports/samples/*/grid.png, quality in reports/quality/, speculative decoding in reports/bench/<world>.md"
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto
 
 bench: setup
 	$(BIN)/lisa bench

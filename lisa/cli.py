@@ -262,6 +262,9 @@ COMMANDS = {
                     "-> reports/quality/<world>/methods/<method>.{json,png}", ["cell", "compile"]),
     "table": ("the results table and the tau-FID Pareto plot from bench-spec and eval-method "
               "-> reports/table.{md,json}, reports/pareto.png (--out: their folder)", []),
+    "summary": ("a world's headline from the results table: vanilla's FID, the fastest lossless and LISA rows "
+                "(speedup, tau, TV, FID against vanilla) -> reports/summary/<world>.json (what `dvc metrics show` "
+                "lists)", []),
 }
 
 # commands of COMMANDS that are not dvc.yaml stages: run by hand (tests/test_flows.py checks the rest against

@@ -354,6 +354,13 @@ class AblateLIDParams(SamplingParams, DraftTree):
 
 
 @dataclass(config=STRICT)
+class ArchEntry(DrafterArch):
+    """One drafter of the ablate-arch sweep: its architecture, and its training steps (None = the section's), so
+    that a cheaper drafter can be compared at equal training wall clock."""
+    steps: Optional[Count] = None
+
+
+@dataclass(config=STRICT)
 class AblateArchParams(SamplingParams, DraftTree):
     """The drafter's architecture against what it costs and drafts: each of `drafters` trained as ablate-lid's
     baseline (the logit cache, train_drafter's settings but `steps` and the architecture), then one drafting step
@@ -362,7 +369,7 @@ class AblateArchParams(SamplingParams, DraftTree):
     steps: Count = 300
     per_class: Count = 2  # seeds per class / prompt for the timed decodes
     rounds: Count = 21  # interleaved timing rounds of the bare forwards
-    drafters: dict[str, DrafterArch] = Field(default_factory=lambda: {"eagle3": DrafterArch()})
+    drafters: dict[str, ArchEntry] = Field(default_factory=lambda: {"eagle3": ArchEntry()})
 
 
 @dataclass(config=STRICT)

@@ -19,6 +19,8 @@ from pathlib import Path
 
 from prefect import task
 
+from tasks.logs import name_task_logs
+
 
 @dataclass(frozen=True)
 class DagStage:
@@ -26,7 +28,7 @@ class DagStage:
     name: str                    # DVC's address: build-dataset@fashion-c2i, eval-method@fashion-c2i-vanilla
     cmd: str
     upstream: tuple[str, ...]    # stages whose outs it depends on
-    metrics: tuple[str, ...]     # its metrics files, relative to the repository root
+    metrics: tuple[str, ...]     # its metrics and JSON reports (_is_metrics), relative to the repository root
     reports: tuple[str, ...] = ()  # its outs a person reads: markdown reports and images (Prefect artifacts)
 
     @property
@@ -49,13 +51,19 @@ def read_dag(root: str | Path = ".") -> dict[str, DagStage]:
         graph = repo.index.graph  # edge (stage, a stage whose outs it depends on)
         order = list(reversed(list(nx.topological_sort(graph))))
         return {address(s): DagStage(address(s), s.cmd, tuple(sorted(address(u) for u in graph.successors(s))),
-                                     tuple(str(o.def_path) for o in s.outs if o.metric),
+                                     tuple(str(o.def_path) for o in s.outs if _is_metrics(o)),
                                      tuple(str(o.def_path) for o in s.outs
                                            if Path(str(o.def_path)).suffix in REPORT_SUFFIXES))
                 for s in order if s.cmd}
 
 
 REPORT_SUFFIXES = (".md", ".png")
+
+
+def _is_metrics(out) -> bool:
+    """A stage's metrics as the flow reads them: its DVC metrics (dvc.yaml's `metrics`: the small headline files
+    `dvc metrics show` lists) and its other JSON outs kept in git (`cache: false`: the stages' detailed reports)."""
+    return bool(out.metric) or (str(out.def_path).endswith(".json") and not out.use_cache)
 
 
 def artifact_key(*parts: str) -> str:
@@ -206,6 +214,7 @@ def repro(stage: str, root: str = ".", metrics: tuple[str, ...] = (), stale: boo
     started (stale=False), none of whose upstream stages has run since, is still up to date: it is skipped without
     asking DVC again. A stage of TORCHRUN_STAGES runs its command `cmd` under torchrun when the settings ask for
     several processes (torchrun_launch)."""
+    name_task_logs()  # in the process that runs the task (a Dask worker too), whatever configured logging since
     launch = torchrun_launch(stage.split("@")[0], root)
     if not stale and all(u["outcome"] == "skipped" for u in upstream or []):
         done = "skipped"
@@ -214,7 +223,7 @@ def repro(stage: str, root: str = ".", metrics: tuple[str, ...] = (), stale: boo
     else:
         proc = dvc(["repro", "--single-item", stage], root)
         done = outcome(stage, proc.stdout + proc.stderr)
-    print(f"{stage}: {done}")
+    print(done)  # logged as `<stage> | <outcome>` (tasks.logs)
     read = {m: json.loads((Path(root) / m).read_text()) for m in metrics if (Path(root) / m).is_file()}
     return {"stage": stage, "outcome": done, "metrics": read, "artifacts": publish(stage, root, read, reports)}
 
@@ -229,6 +238,7 @@ def new_target(world: str, root: str = ".") -> dict:
     - data/target/<world>/model.safetensors replaced by a file in lisa's format (its sidecar matches its bytes)
       that the calibration was not made for: `dvc commit` records it as train-target's output.
     A target whose bytes disagree with its sidecar (or that has none) is refused: the line says what to do."""
+    name_task_logs()
     from lisa.checkpoint import CheckpointError
     try:
         return {"changed": _new_target(world, root)}

@@ -7,6 +7,7 @@ from __future__ import annotations
 from prefect import task
 
 from lisa.config import load_params
+from tasks.logs import name_task_logs
 from lisa.stages import run_stage
 
 
@@ -44,11 +45,13 @@ bench = stage_task("bench")
 bench_spec = stage_task("bench-spec")
 eval_method = stage_task("eval-method")
 table = stage_task("table")
+summary = stage_task("summary")
 
 
-@task(name="estimate")
+@task(name="estimate", task_run_name="estimate")
 def estimate(params_path: str, gpu: str = "H200") -> str:
     """GPU memory and time of the run, from the params alone: logged before any stage starts."""
+    name_task_logs()
     from lisa.bench.estimate import estimate_markdown, missing_checkpoints
 
     p = load_params(params_path)

@@ -161,6 +161,32 @@ def test_flow_keeps_dvc_semantics_both_ways(tmp_path, harness, flow):
     assert ran(results) == {"make@c"} and results["make@c"]["outcome"] == "restored"
 
 
+def test_flow_run_logs_name_their_task(tmp_path, harness, flow):
+    """`prefect flow-run logs` prints a stored line's message alone: every task's lines start with the task run's
+    name (the stage), and the stored lines are the flow's and the tasks' own, no library output."""
+    import logging
+    import re
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    repo = toy_repo(tmp_path / "toy", items=("a", "b"))
+    state = flow(root=str(repo), return_state=True)
+    for handler in logging.getLogger("prefect.task_runs").handlers:
+        handler.flush()  # the API handler's queue: sent before reading back
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+    tasks = [log.message for log in logs if log.task_run_id]
+    named = {m.split(" | ")[0] for m in tasks}
+    assert named == {"make@a", "make@b", "join"}, tasks
+    for stage in named:
+        assert f"{stage} | Finished in state Completed()" in tasks
+        assert f"{stage} | ran" in tasks
+    flow_lines = [log.message for log in logs if not log.task_run_id]
+    assert any("lisa-full: 3 of 3 stages ran" in m for m in flow_lines), flow_lines
+    assert not any(re.search(r"LOAD_[A-Z]|RETURN_VALUE|Traceback", log.message) for log in logs)
+
+
 def test_a_failed_stage_fails_the_flow_and_stops_its_downstream(tmp_path, harness, flow):
     repo = toy_repo(tmp_path / "toy")
     spec = yaml.safe_load((repo / "dvc.yaml").read_text())

@@ -3,7 +3,9 @@
 checkpoint without a sidecar and rebuilds exactly what DVC finds stale, or refuses a target whose bytes disagree with
 its sidecar in one line."""
 import json
+import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -34,6 +36,8 @@ def ran(results: dict) -> set[str]:
 
 @pytest.mark.slow
 def test_lisa_full_and_recalibrate_micro(tmp_path, monkeypatch, micro_built):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
     from prefect.testing.utilities import prefect_test_harness
     from safetensors.torch import save_file
 
@@ -51,11 +55,19 @@ def test_lisa_full_and_recalibrate_micro(tmp_path, monkeypatch, micro_built):
         params["sample"]["per_class"] += 1  # the sample stages and what reads them go stale
         (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
         stale = set(dvc_status(repo))
-        first = lisa_full(root=str(repo))
+        run_state = lisa_full(root=str(repo), return_state=True)
+        first = run_state.result()
         assert ran(first) == stale and {"sample@fashion-c2i", "sample@emoji-t2i"} <= stale  # exactly what DVC finds
         assert dvc_status(repo) == {} and "Running stage" not in run([str(BIN / "dvc"), "repro"], repo)
         assert first["sample@fashion-c2i"]["metrics"]["reports/samples/fashion-c2i/metrics.json"]["images"] == 12
         assert "| fashion-c2i |" in first["estimate"]
+        for handler in logging.getLogger("prefect.task_runs").handlers:
+            handler.flush()  # the lines stored for the run: each task's named, no library output (tasks.logs)
+        with get_client(sync_client=True) as client:
+            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(
+                any_=[run_state.state_details.flow_run_id])))
+        assert {m.message.split(" | ")[0] for m in logs if m.task_run_id} == set(first)
+        assert not any(re.search(r"LOAD_[A-Z]|RETURN_VALUE|Traceback", m.message) for m in logs)
 
         shutil.rmtree(repo / "data/cache/fashion-c2i")  # the logit cache again, under torchrun with 2 processes
         monkeypatch.setenv("LISA_NPROC_PER_NODE", "2")

@@ -19,7 +19,7 @@ STAGES = ["build-dataset", "train-tokenizer", "encode", "train-target", "init-to
           "table", "bench", "bench-spec"]
 DAG = ["build-dataset", "train-tokenizer", "encode", "train-target", "sample", "premise", "fid-reference",
        "train-judge", "evaluate", "train-drafter", "cache-logits", "ablate-lid", "ablate-arch", "bench-spec",
-       "laion-fixture", "build-laion-coco", "build-self-generated", "calibrate", "eval-method", "table", "bench"]
+       "laion-fixture", "build-laion-coco", "build-self-generated", "calibrate", "eval-method", "table", "summary", "bench"]
 
 
 def micro_repo(tmp_path: Path) -> Path:
@@ -112,6 +112,14 @@ def test_dvc_repro_micro(tmp_path, micro_built):
     table = (repo / "reports/table.md").read_text()
     assert "## fashion-c2i" in table and "## emoji-t2i" in table and "| lisa |" in table
     assert (repo / "reports/pareto.png").stat().st_size > 0
+    rows = json.loads((repo / "reports/table.json").read_text())
+    for world in ("fashion-c2i", "emoji-t2i"):  # the headline: the fastest lossless and LISA rows of the table
+        head = json.loads((repo / f"reports/summary/{world}.json").read_text())
+        lossless, lisa = rows[world][head["lossless"]["method"]], rows[world][head["lisa"]["method"]]
+        assert lossless["tv"] < 1e-3 and head["lossless"]["speedup"] == lossless["speedup"]
+        assert head["lisa"]["tv"] == lisa["tv"] and head["vanilla_fid"] == rows[world]["vanilla"]["fid"]
+    shown = run([str(BIN / "dvc"), "metrics", "show"], repo).splitlines()  # one row per world, a terminal wide
+    assert len(shown) == 3 and max(map(len, shown)) <= 200, shown
     bench = json.loads((repo / "reports/bench/vanilla.json").read_text())
     assert [r["cfg_scale"] for r in bench["rows"]] == [1.0, 2.0] and all(r["tokens_per_s"] > 0 for r in bench["rows"])
     assert "didn't change" in run([str(BIN / "dvc"), "repro"], repo)  # nothing reruns

@@ -35,6 +35,7 @@ FUNCTIONS = {
     "bench": (bench, "bench", tasks.bench),
     "bench-spec": (bench, "bench_spec", tasks.bench_spec),
     "table": (report, "results_table", tasks.table),
+    "summary": (report, "summary", tasks.summary),
 }
 OPTIONS = {"eval-method": (["--method", "vanilla"], {"method": "vanilla"}),
            "ablate-arch": (["--drafter", "eagle3"], {"drafter": "eagle3"})}

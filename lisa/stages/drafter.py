@@ -157,7 +157,7 @@ def _conditions(world: WorldParams, target, sample_p: SampleParams, per_class: i
 def ablate_arch(world: WorldParams, train_p: TrainDrafterParams, p: AblateArchParams, sample_p: SampleParams,
                 paths: WorldPaths, drafter: str) -> dict:
     """One drafter architecture of ablate_arch.drafters, trained as ablate-lid's baseline (the logit cache,
-    train_drafter's settings but `steps` and the architecture), then what a round pays for it and what it drafts:
+    train_drafter's settings but the steps, the entry's or the section's, and the architecture), then what a round pays for it and what it drafts:
     its step against the target's one-token step (eager and compiled, interleaved), its held-out acceptance, and
     tau and ms per image against vanilla under `exact` on the tree (conditions of sample.classes / sample.prompts,
     vanilla and speculative interleaved per condition, eager) -> arch_report/<drafter>.json and its curves."""
@@ -171,7 +171,8 @@ def ablate_arch(world: WorldParams, train_p: TrainDrafterParams, p: AblateArchPa
     target, target_meta = load_target(paths.target_file)
     lc = cache.open_cache(paths.cache_dir, target_meta["sha256"])
     d = load_codes(paths.codes_file, target.config.model_type)
-    tp = dataclasses.replace(train_p, steps=p.steps, **dataclasses.asdict(arch))
+    fields = dataclasses.asdict(arch)
+    tp = dataclasses.replace(train_p, steps=fields.pop("steps") or p.steps, **fields)
     torch.manual_seed(tp.seed)
     model = new_drafter(target, **tp.overrides())
     m = train(model, target, d["train_tokens"], d["train_cond"], d["test_tokens"][:512], d["test_cond"][:512], tp,

@@ -59,6 +59,7 @@ class WorldPaths:
     bench_ddp_work: Path
     cells_dir: Path
     cells_work: Path
+    summary_file: Path  # the world's headline metrics (reports/summary/<world>.json)
     self_generated_dir: Path
     self_generated_report: Path
     codes_file: Path
@@ -96,6 +97,7 @@ class WorldPaths:
             bench_dir=reports / "bench", bench_ddp_report=reports / "bench" / f"ddp-{w}",
             bench_ddp_work=work / "bench-ddp" / w,
             cells_dir=reports / "quality" / w / "methods", cells_work=work / "quality" / w / "methods",
+            summary_file=reports / "summary" / f"{w}.json",
             self_generated_dir=data / "corpora" / "self-generated" / w,
             self_generated_report=reports / "corpora" / f"self-generated-{w}.json")
         files = dict(codes_file=("codes_dir", "codes.safetensors"),

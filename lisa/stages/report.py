@@ -1,5 +1,5 @@
 """The `table` stage: the paper's main table (world x method) and the tau-FID Pareto plot, from the bench-spec runs
-and the eval-method cells."""
+and the eval-method cells; `summary`: each world's headline from it, the metrics file `dvc metrics show` lists."""
 from __future__ import annotations
 
 import json
@@ -65,8 +65,36 @@ def results_table(p: TableParams, cells_dirs: dict[str, Path], shared: SharedPat
     return rows_out
 
 
+def summary(world: str, p: TableParams, shared: SharedPaths, out: Path) -> dict:
+    """The world's headline, from the results table (table.json): vanilla's FID; the fastest lossless row (TV 0)
+    and the fastest LISA row (GASV) with their speedup against vanilla (bench-spec, eager, batch 1), tau, and for
+    LISA the TV and FID against vanilla's -> out, a metrics file of nine keys: these files are what `dvc metrics
+    show` lists, one row per world."""
+    table = shared.table_file.with_suffix(".json")
+    rows = json.loads(table.read_text())
+    if world not in rows:
+        raise ValueError(f"{table}: no world {world!r} (worlds: {sorted(rows)}); run `lisa table` first")
+    rows = rows[world]
+    timed = {n: r for n, r in rows.items() if n in p.cells and r.get("speedup") is not None}
+    vanilla = next(n for n in timed if p.cells[n].method == "vanilla")
+    fastest = lambda names: max(names, key=lambda n: timed[n]["speedup"], default=None)  # noqa: E731
+    lossless = fastest([n for n, r in timed.items() if n != vanilla and r["tv"] < 1e-3])
+    lisa = fastest([n for n in timed if p.cells[n].method == "gasv"])
+    metrics = {"vanilla_fid": rows[vanilla]["fid"]}
+    if lossless:
+        metrics["lossless"] = {"method": lossless} | {k: timed[lossless][k] for k in ("speedup", "tau")}
+    if lisa:
+        r = timed[lisa]
+        metrics["lisa"] = {"method": lisa, "speedup": r["speedup"], "tau": r["tau"], "tv": r["tv"],
+                           "fid_rel": r["fid_vs_vanilla"]}
+    write_json(out, metrics)
+    return metrics
+
+
 STAGES = {
     "table": Stage(lambda c: results_table(c.params.table, {w: WorldPaths.of(w, c.shared.root).cells_dir
                                                             for w in c.params.worlds}, c.shared),
                    out="reports_dir", world=False),
+    "summary": Stage(lambda c: summary(c.paths.world, c.params.table, c.shared, c.paths.summary_file),
+                     out="summary_file"),
 }
