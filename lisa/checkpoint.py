@@ -7,6 +7,7 @@ Every failure names the file and the offending keys or shapes.
 """
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -40,28 +41,48 @@ def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]):
     """Run write(tmp_path) then rename over `path`, so a crash never leaves a half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    atomic_write_all({path: write})
+
+
+def atomic_write_all(writes: dict[str | os.PathLike, Callable[[str], None]]):
+    """Several files that make one output (a grid, its tokens and its metrics): each written to a temporary beside
+    it, then all renamed into place one after the other (in the order given: put the metrics last), so a crash while
+    writing leaves the old set whole. A temporary is `.<name>.<random>.tmp`: .gitignore and .dvcignore skip it, and
+    the next write of the same file removes one that a killed run left behind."""
+    temps = []
     try:
-        write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the usual permissions of a new file
-        os.replace(tmp, path)
+        for path, write in writes.items():
+            path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):  # a killed run's leftover
+                stale.unlink(missing_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            os.close(fd)
+            temps.append((tmp, path))
+            write(tmp)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the usual permissions of a new file
+        for tmp, path in temps:
+            os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for tmp, _ in temps:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
 
 
-def write_json(path: str | os.PathLike, obj: Any):
+def json_writer(obj: Any) -> Callable[[str], None]:
+    """A writer of obj as indented JSON, for atomic_write / atomic_write_all."""
     def w(tmp):
         with open(tmp, "w") as f:
             json.dump(obj, f, indent=2, sort_keys=False)
             f.write("\n")
 
-    atomic_write(path, w)
+    return w
+
+
+def write_json(path: str | os.PathLike, obj: Any):
+    atomic_write(path, json_writer(obj))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -176,6 +197,14 @@ def save_artifact(model: nn.Module, path: str | os.PathLike, kind: str, config, 
     return meta
 
 
+def read_json(path: str | os.PathLike, error: type[Exception] = ValueError):
+    """The content of JSON file `path`; a file that is not JSON raises `error` with a line that names it."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path}: not valid JSON ({e})") from None
+
+
 def read_sidecar(path: str | os.PathLike, kind: Optional[str] = None, verify_hash: bool = True) -> dict:
     path = Path(path)
     side = sidecar_path(path)
@@ -201,6 +230,10 @@ def read_sidecar(path: str | os.PathLike, kind: Optional[str] = None, verify_has
 def load_artifact(path: str | os.PathLike, kind: str, build: Callable[[dict], nn.Module]) -> tuple[nn.Module, dict]:
     """Read sidecar (checks kind and hash), build the model from its config, load the weights strictly."""
     meta = read_sidecar(path, kind)
-    model = build(meta["config"])
+    try:
+        model = build(meta["config"])
+    except (TypeError, ValueError, KeyError, AttributeError) as e:  # a config of the wrong shape or types
+        raise CheckpointError(f"{sidecar_path(Path(path))}: its `config` does not build a {kind} "
+                              f"({type(e).__name__}: {e})") from None
     load_into(model, read_state_dict(path), path)
     return model, meta

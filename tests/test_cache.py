@@ -107,6 +107,31 @@ def test_readers_refuse_what_does_not_fit(tmp_path):
     assert m["target_sha256"] == SHA
 
 
+def test_damaged_files_are_named(tmp_path):
+    """A shard whose Parquet footer is gone, a manifest or a calibration sidecar that is not JSON: each an error
+    naming the file, never a reader's bare traceback."""
+    from lisa.training.calibrate import CalibrationError, load_calibration
+
+    target, tokens, cond, spec = build(tmp_path)
+    write_manifest(tmp_path, SHA, spec, len(tokens), tokens.shape[1])
+    shard = tmp_path / "shard-00000.parquet"
+    good = shard.read_bytes()
+    shard.write_bytes(good[:-12])  # the footer cut off
+    with pytest.raises(CacheError, match="shard-00000.parquet: not a readable Parquet shard"):
+        open_cache(tmp_path, SHA)
+    shard.write_bytes(good)
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(manifest.read_text()[:40])
+    with pytest.raises(CacheError, match="manifest.json: not valid JSON"):
+        open_cache(tmp_path, SHA)
+    cal = tmp_path / "cal" / "calibration.safetensors"
+    cal.parent.mkdir()
+    cal.write_bytes(b"x")
+    cal.with_suffix(".json").write_text("{not json")
+    with pytest.raises(CalibrationError, match="calibration.json: not valid JSON"):
+        load_calibration(cal, torch.zeros(4, 2))
+
+
 def cli_world(tmp_path, n=48, params_text=None):
     """A micro target and a codes file of n random sequences; the `lisa cache-logits` command line for them."""
     import yaml

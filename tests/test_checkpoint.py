@@ -1,6 +1,7 @@
 """Checkpoints: safe loading, the official key layout, and clear errors for missing / truncated / wrong files."""
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,6 +68,17 @@ def test_truncated_checkpoint_is_named(tmp_path):
     (tmp_path / "m.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match="m.safetensors"):
         load_target(tmp_path / "m.safetensors")
+
+
+def test_sidecar_config_of_the_wrong_type_is_named(tmp_path):
+    save_artifact(micro_gpt(), tmp_path / "m.safetensors", "gpt", micro_gpt().config)
+    side = tmp_path / "m.json"
+    for bad in ("a string", {"n_layer": "two", "dim": None}):
+        meta = json.loads(side.read_text())
+        meta["config"] = bad
+        side.write_text(json.dumps(meta))
+        with pytest.raises(CheckpointError, match="m.json: its `config` does not build a gpt"):
+            load_target(tmp_path / "m.safetensors")
 
 
 def test_wrong_architecture_names_keys_and_shapes(tmp_path):
@@ -159,3 +171,23 @@ def test_a_target_is_refused_with_another_tokenizer_than_its_codes(tmp_path):
         check_pair(target, meta, "tok-b.safetensors", {"sha256": "b" * 64})
     check_pair(target, {"made_from": {"llamagen_checkpoint": "x.pt"}}, "tok-b.safetensors", {"sha256": "b" * 64})
     check_pair(target, {"made_from": {**meta["made_from"], "codes_sha256": "d" * 64}}, "tok-b", {"sha256": "b" * 64})
+
+
+def test_multi_file_output_is_committed_together(tmp_path):
+    """atomic_write_all: a failure while writing any file of the set leaves every old file as it was and no
+    temporary; a temporary that a killed run left behind is removed by the next write of its file."""
+    from lisa.checkpoint import atomic_write_all, json_writer
+
+    grid, metrics = tmp_path / "grid.png", tmp_path / "metrics.json"
+    atomic_write_all({grid: lambda tmp: Path(tmp).write_bytes(b"old"), metrics: json_writer({"v": 1})})
+
+    def crash(tmp):
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write_all({grid: lambda tmp: Path(tmp).write_bytes(b"new"), metrics: crash})
+    assert grid.read_bytes() == b"old" and json.loads(metrics.read_text()) == {"v": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["grid.png", "metrics.json"]
+    (tmp_path / ".grid.png.abc123.tmp").write_bytes(b"left by kill -9")
+    atomic_write_all({grid: lambda tmp: Path(tmp).write_bytes(b"new")})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["grid.png", "metrics.json"] and grid.read_bytes() == b"new"

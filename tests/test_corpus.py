@@ -34,17 +34,23 @@ def vq():
 
 @pytest.mark.parametrize("fmt", ["parquet", "webdataset", "files"])
 def test_laion_coco_build_filters_joins_and_encodes(tmp_path, vq, fmt):
-    info = make_laion_fixture(tmp_path / "src", n=40, image_format=fmt, small_every=5, failed_every=8)
+    """img2dataset's real layouts (a per-shard metadata Parquet beside WebDataset tars and `files` folders); a
+    download cut short (a truncated JPEG marked a success) is skipped and counted."""
+    info = make_laion_fixture(tmp_path / "src", n=40, image_format=fmt, small_every=5, failed_every=8,
+                              truncated_every=3)
     assert info["images"] == 40 and info["small"] == 8 and info["failed"] == 5
+    assert (tmp_path / "src" / "images" / "00000.parquet").is_file()  # beside the tars / folders too
     meta = pq.read_table(tmp_path / "src" / "metadata" / "part-00000.parquet")
     flt = LaionFilter(min_size=32, max_punsafe=0.5, max_pwatermark=0.8, min_similarity=0.3)
     m = build_laion_coco([tmp_path / "src" / "metadata" / "part-00000.parquet"], tmp_path / "src" / "images", vq,
                          "sha-vq", FakeEncoder(), 4, flt, tmp_path / "out", shard_size=8)
     rows = meta.to_pylist()
-    expect = [i for i, r in enumerate(rows) if r["WIDTH"] >= 32 and r["punsafe"] <= 0.5 and r["pwatermark"] <= 0.8
+    joined = [i for i, r in enumerate(rows) if r["WIDTH"] >= 32 and r["punsafe"] <= 0.5 and r["pwatermark"] <= 0.8
               and r["similarity"] >= 0.3 and i % 8 != 7]
+    expect = [i for i in joined if i % 3 != 2]
     assert m["counts"]["metadata_rows"] == 40 and m["counts"]["after_size"] == 32
-    assert m["rows"] == m["counts"]["joined_with_images"] == len(expect) > 0
+    assert m["counts"]["joined_with_images"] == len(joined)
+    assert m["rows"] == len(expect) > 0 and m["counts"]["unreadable_images"] == len(joined) - len(expect) > 0
     c = read_corpus(tmp_path / "out", "t2i", 4)
     grid = vq.config.image_size // vq.config.downsample
     assert c["tokens"].shape == (len(expect), grid * grid) and c["cond"].shape == (len(expect), 4, 6)

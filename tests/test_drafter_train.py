@@ -78,8 +78,12 @@ def test_drafter_artifact_checks_its_target(tmp_path):
     save_artifact(d, tmp_path / "drafter.safetensors", "drafter", d.config, made_from={"target_sha256": "abc"})
     back, meta = load_drafter(tmp_path / "drafter.safetensors", {"sha256": "abc"})
     torch.testing.assert_close(back.fc.weight, d.fc.weight)
-    with pytest.raises(CheckpointError, match="trained against target abc"):
+    with pytest.raises(CheckpointError, match="trained against target abc.*`lisa train-drafter"):
         load_drafter(tmp_path / "drafter.safetensors", {"sha256": "def"})
+    save_artifact(d, tmp_path / "lid.safetensors", "drafter", d.config,  # ablate-lid's: the stage to re-run
+                  made_from={"target_sha256": "abc", "loss": "lid"})
+    with pytest.raises(CheckpointError, match="`lisa ablate-lid --world W`"):
+        load_drafter(tmp_path / "lid.safetensors", {"sha256": "def"})
 
 
 def test_taps_only_forward_matches_the_full_one():

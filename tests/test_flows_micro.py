@@ -1,5 +1,6 @@
 """The Prefect flows on the micro profile, end to end: `lisa-full` leaves what `dvc repro` leaves (dvc.lock current,
-`dvc repro` then runs nothing, and after a `dvc repro` the flow runs nothing), and `recalibrate` imports a fine-tuned
+`dvc repro` then runs nothing, and after a `dvc repro` the flow runs nothing; the stale stages once on a local
+2-worker Dask cluster, with every stored log line naming its task), and `recalibrate` imports a fine-tuned
 checkpoint without a sidecar and rebuilds exactly what DVC finds stale, or refuses a target whose bytes disagree with
 its sidecar in one line."""
 import json
@@ -42,6 +43,7 @@ def test_lisa_full_and_recalibrate_micro(tmp_path, monkeypatch, micro_built):
     from safetensors.torch import save_file
 
     from flows.lisa_full import lisa_full
+    from flows.runners import task_runner
     from flows.recalibrate import recalibrate
     from lisa.checkpoint import file_sha256
     from lisa.models.llamagen import load_target
@@ -55,7 +57,8 @@ def test_lisa_full_and_recalibrate_micro(tmp_path, monkeypatch, micro_built):
         params["sample"]["per_class"] += 1  # the sample stages and what reads them go stale
         (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
         stale = set(dvc_status(repo))
-        run_state = lisa_full(root=str(repo), return_state=True)
+        on_dask = lisa_full.with_options(task_runner=task_runner("dask", 2))  # a local 2-worker Dask cluster
+        run_state = on_dask(root=str(repo), return_state=True)
         first = run_state.result()
         assert ran(first) == stale and {"sample@fashion-c2i", "sample@emoji-t2i"} <= stale  # exactly what DVC finds
         assert dvc_status(repo) == {} and "Running stage" not in run([str(BIN / "dvc"), "repro"], repo)

@@ -64,3 +64,23 @@ def test_gpt_resume_and_fingerprint(tmp_path):
     for va, vb in zip(full.state_dict().values(), again.state_dict().values()):
         torch.testing.assert_close(va, vb, rtol=0, atol=0)
     assert m["heldout_nll_per_token"] > 0
+
+
+def test_unreadable_resume_file_is_set_aside(tmp_path, capsys):
+    """A resume file cut short (a kill or a full disk during its save) is named in a warning, set aside as
+    resume.pt.corrupt, and the run starts over to the uninterrupted result instead of failing on it every time."""
+    tokens, cond = torch.randint(0, 64, (24, 16)), torch.randint(0, 10, (24,))
+    cfg = TrainTargetParams(steps=3, batch_size=4, warmup=1, checkpoint_every=2, eval_batch_size=8)
+    torch.manual_seed(0)
+    full = micro_gpt()
+    train_gpt(full, tokens, cond, tokens[:8], cond[:8], cfg, tmp_path / "full", progress=False)
+    resume = tmp_path / "cut" / "resume.pt"
+    resume.parent.mkdir()
+    resume.write_bytes((tmp_path / "full" / "resume.pt").read_bytes()[:300])  # a truncated zip
+    torch.manual_seed(0)
+    again = micro_gpt()
+    train_gpt(again, tokens, cond, tokens[:8], cond[:8], cfg, tmp_path / "cut", progress=False)
+    assert f"{resume}: unreadable resume file" in capsys.readouterr().out
+    assert (tmp_path / "cut" / "resume.pt.corrupt").stat().st_size == 300
+    for va, vb in zip(full.state_dict().values(), again.state_dict().values()):
+        torch.testing.assert_close(va, vb, rtol=0, atol=0)

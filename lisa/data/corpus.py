@@ -111,12 +111,15 @@ def read_metadata(files: list[Path]):
 
 def read_images(source: Path) -> dict[str, bytes]:
     """img2dataset output (Parquet shards, WebDataset tars, or a folder of {key}.jpg + {key}.json) -> {url: jpg
-    bytes} of the successful downloads."""
+    bytes} of the successful downloads. The format is read from what is there: tars are WebDataset, sub-folders of
+    {key}.jpg the `files` format (img2dataset writes a per-shard NNNNN.parquet of metadata beside both: it is not
+    the Parquet format, whose shards carry the `jpg` column)."""
     from datasets import load_dataset
 
     parquets, tars = sorted(source.glob("*.parquet")), sorted(source.glob("*.tar"))
+    files = not tars and any(p.is_dir() and any(p.glob("*.jpg")) for p in source.iterdir())
     out = {}
-    if parquets:
+    if parquets and not tars and not files:
         ds = load_dataset("parquet", data_files=[str(p) for p in parquets], split="train")
         for col in ("url", "jpg", "status"):
             if col not in ds.column_names:
@@ -134,7 +137,7 @@ def read_images(source: Path) -> dict[str, bytes]:
                     info = json.loads(blob)
                     if info.get("status", "success") == "success":
                         out[info["url"]] = blobs[f"{stem}.jpg"]
-    else:
+    elif files:
         for meta in sorted(source.rglob("*.json")):
             jpg = meta.with_suffix(".jpg")
             if jpg.is_file():
@@ -145,6 +148,16 @@ def read_images(source: Path) -> dict[str, bytes]:
         raise CorpusError(f"{source}: no fetched images (img2dataset Parquet / WebDataset shards or a folder of "
                           f"{{key}}.jpg + {{key}}.json)")
     return out
+
+
+def _decodes(jpg: bytes) -> bool:
+    """Whether the image bytes decode whole (a download cut short, or not an image at all, does not)."""
+    try:
+        with Image.open(io.BytesIO(jpg)) as img:
+            img.load()
+        return True
+    except (OSError, SyntaxError, ValueError):  # PIL: truncated, unidentified or malformed
+        return False
 
 
 def to_square(jpg: bytes, size: int) -> np.ndarray:
@@ -174,6 +187,8 @@ def build_laion_coco(metadata: list[Path], images: Path, vq, vq_sha256: str, enc
     urls, captions = meta["URL"], meta["top_caption"]
     rows = [i for i in np.flatnonzero(keep) if urls[i] in fetched]
     counts["joined_with_images"] = len(rows)
+    rows = [i for i in rows if _decodes(fetched[urls[i]])]  # a truncated or broken JPEG is skipped, and counted
+    counts["unreadable_images"] = counts["joined_with_images"] - len(rows)
     if not rows:
         raise CorpusError(f"laion-coco: no row of {metadata} passes the filters and has a fetched image in {images}")
     size = vq.config.image_size
@@ -214,12 +229,15 @@ def table_of(keys: list[str], captions: list[str], labels: list[int], codes: tor
 
 
 def make_laion_fixture(out: Path, n: Optional[int] = None, seed: int = 0, image_format: str = "parquet",
-                       small_every: int = 10, failed_every: int = 20, shard_size: int = 1000) -> dict:
+                       small_every: int = 10, failed_every: int = 20, shard_size: int = 1000,
+                       truncated_every: int = 0) -> dict:
     """A LAION-COCO-layout source from the built-in emoji images (Twemoji + Noto renders at 72 px): out/metadata/
     part-00000.parquet (the LAION-COCO columns) and out/images/ in img2dataset's `image_format` (parquet,
     webdataset or files). Every small_every-th image is stored as a 24 px thumbnail (WIDTH / HEIGHT say so) and
     every failed_every-th row is a failed download; punsafe, pwatermark and similarity are seeded random draws
-    (3% of rows unsafe, 5% watermarked, the similarity uniform on [0.2, 0.45])."""
+    (3% of rows unsafe, 5% watermarked, the similarity uniform on [0.2, 0.45]). With truncated_every, every such
+    row's JPEG is cut in half (a download that stopped early, still marked a success). Beside WebDataset tars and
+    `files` folders goes img2dataset's per-shard metadata Parquet (every column but the image)."""
     from lisa.data import datasets as data
 
     rng = np.random.default_rng(seed)
@@ -244,6 +262,8 @@ def make_laion_fixture(out: Path, n: Optional[int] = None, seed: int = 0, image_
                         "error_message": None if status == "success" else "HTTP Error 404: Not Found",
                         "width": img.width, "height": img.height, "original_width": img.width,
                         "original_height": img.height, "jpg": buf.getvalue() if status == "success" else None})
+        if truncated_every and i % truncated_every == truncated_every - 1 and fetched[-1]["jpg"]:
+            fetched[-1]["jpg"] = fetched[-1]["jpg"][: len(fetched[-1]["jpg"]) // 2]
     (out / "metadata").mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(meta), out / "metadata" / "part-00000.parquet")
     images = out / "images"
@@ -254,6 +274,8 @@ def make_laion_fixture(out: Path, n: Optional[int] = None, seed: int = 0, image_
         if image_format == "parquet":
             pq.write_table(pa.Table.from_pylist(rows), stem.with_suffix(".parquet"))
         elif image_format in ("webdataset", "files"):
+            pq.write_table(pa.Table.from_pylist([{k: v for k, v in r.items() if k != "jpg"} for r in rows]),
+                           stem.with_suffix(".parquet"))  # img2dataset's per-shard metadata beside the images
             members = []
             for r in rows:
                 info = {k: v for k, v in r.items() if k != "jpg"}

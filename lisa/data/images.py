@@ -16,7 +16,15 @@ def to_unit(images: torch.Tensor) -> torch.Tensor:
 
 def save_grid(images: torch.Tensor, path: str | Path, nrow: int, padding: int = 2,
               labels: Optional[Sequence[str]] = None, scale: int = 2) -> Path:
-    """Save (B, 3, H, W) images in [-1, 1] as one PNG grid with `nrow` images per row, upscaled `scale` times
+    """Save (B, 3, H, W) images in [-1, 1] as one PNG grid (grid_image), written atomically."""
+    img = grid_image(images, nrow, padding, labels, scale)
+    atomic_write(path, lambda tmp: img.save(tmp, format="PNG"))
+    return Path(path)
+
+
+def grid_image(images: torch.Tensor, nrow: int, padding: int = 2, labels: Optional[Sequence[str]] = None,
+               scale: int = 2):
+    """(B, 3, H, W) images in [-1, 1] as one PIL image, a grid with `nrow` images per row, upscaled `scale` times
     (nearest). With `labels` (one per grid row), each row gets its label written on its left."""
     from PIL import Image, ImageDraw, ImageFont
     from torchvision.utils import make_grid  # imported here: torchvision takes seconds to import
@@ -34,5 +42,4 @@ def save_grid(images: torch.Tensor, path: str | Path, nrow: int, padding: int = 
         for i, text in enumerate(labels):
             draw.text((4, padding * scale + i * row_h + row_h // 2 - 6), str(text), fill="black", font=font)
         img = canvas
-    atomic_write(path, lambda tmp: img.save(tmp, format="PNG"))
-    return Path(path)
+    return img

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from lisa.checkpoint import atomic_write, read_state_dict, save_artifact, write_json
+from lisa.checkpoint import atomic_write_all, json_writer, read_state_dict, save_artifact, write_json
 from lisa.config import EvaluateParams, QualityParams, TableParams, TrainJudgeParams, WorldParams
 from lisa.data import datasets as data
 from lisa.models.llamagen import load_target, load_tokenizer
@@ -22,7 +22,7 @@ from lisa.quality import metrics as quality
 from lisa.stages.common import (calibration_sha, check_pair, class_names, eval_conditions, image_tokenizer,
                                 judge_scores, load_geometry, load_images, method_drafters)
 from lisa.stages.paths import Stage, WorldPaths
-from lisa.stages.render import quality_grid, write_lines
+from lisa.stages.render import lines_writer, quality_grid
 
 
 def _recipe_hash(parts: list) -> str:
@@ -166,10 +166,10 @@ def evaluate(world: WorldParams, p: EvaluateParams, q: QualityParams, paths: Wor
     metrics[f"{real[0]}_real_heldout"] = real[1]
     metrics |= {"target_sha256": s.target_meta["sha256"], "judge_sha256": s.judge_meta["sha256"]}
     out = paths.evaluate_dir
-    quality_grid(images, s.labels, s.captions, s.model.config, class_names(world), s.vq, s.codes["test_codes"],
-                 out / "samples.png")
-    atomic_write(out / "tokens.safetensors", lambda tmp: save_file({"tokens": tokens.to(torch.int16)}, tmp))
-    write_json(out / "metrics.json", metrics)
+    grid = quality_grid(images, s.labels, s.captions, s.model.config, class_names(world), s.vq, s.codes["test_codes"])
+    atomic_write_all({out / "samples.png": lambda tmp: grid.save(tmp, format="PNG"),  # one output, committed together
+                      out / "tokens.safetensors": lambda tmp: save_file({"tokens": tokens.to(torch.int16)}, tmp),
+                      out / "metrics.json": json_writer(metrics)})
     return metrics
 
 
@@ -230,11 +230,11 @@ def eval_method(world: WorldParams, name: str, p: TableParams, q: QualityParams,
     metrics |= {"target_sha256": s.target_meta["sha256"], "judge_sha256": s.judge_meta["sha256"],
                 "drafter_sha256": drafter_sha, "calibration_sha256": calibration_sha(geometry)}
     out = paths.cells_dir
-    write_json(out / f"{name}.json", metrics)
-    write_lines(out / f"{name}-tv.csv", ["position,tv"] + [f"{i},{v:.6f}" for i, v in
-                                                           enumerate(dstats["tv_per_position"])])
-    quality_grid(images, s.labels, s.captions, s.model.config, class_names(world), s.vq, s.codes["test_codes"],
-                 out / f"{name}.png", rows=5)
+    grid = quality_grid(images, s.labels, s.captions, s.model.config, class_names(world), s.vq, s.codes["test_codes"],
+                        rows=5)
+    tv = ["position,tv"] + [f"{i},{v:.6f}" for i, v in enumerate(dstats["tv_per_position"])]
+    atomic_write_all({out / f"{name}.png": lambda tmp: grid.save(tmp, format="PNG"),  # the cell, committed together
+                      out / f"{name}-tv.csv": lines_writer(tv), out / f"{name}.json": json_writer(metrics)})
     return {k: v for k, v in metrics.items() if k != "method"}
 
 

@@ -7,13 +7,18 @@ import torch
 
 from lisa.checkpoint import atomic_write
 from lisa.data import datasets as data
-from lisa.data.images import save_grid
+from lisa.data.images import grid_image
 from lisa.quality import metrics as quality
 
 
 def write_lines(path: str | Path, lines: list[str], end: str = "\n") -> None:
     """A text file of `lines`, written atomically."""
-    atomic_write(path, lambda tmp: Path(tmp).write_text("\n".join(lines) + end))
+    atomic_write(path, lines_writer(lines, end))
+
+
+def lines_writer(lines: list[str], end: str = "\n"):
+    """A writer of `lines` as a text file, for atomic_write / atomic_write_all."""
+    return lambda tmp: Path(tmp).write_text("\n".join(lines) + end)
 
 
 def _pyplot():
@@ -111,9 +116,10 @@ def ddp_markdown(world: str, steps: int, rows: list[dict]) -> list[str]:
 
 
 def quality_grid(images: torch.Tensor, labels: torch.Tensor, captions: list[str], cfg, names, vq,
-                 test_codes: torch.Tensor, path: Path, rows: int = 10, per_row: int = 8) -> None:
-    """c2i: one row per class, its first samples (`names`: the class names, or None); t2i: one row per held-out
-    caption, the held-out image (through the tokenizer) first, then the samples made for that caption."""
+                 test_codes: torch.Tensor, rows: int = 10, per_row: int = 8):
+    """The samples as a PIL image (save it with `.save(path, format="PNG")`). c2i: one row per class, its first
+    samples (`names`: the class names, or None); t2i: one row per held-out caption, the held-out image (through the
+    tokenizer) first, then the samples made for that caption."""
     if cfg.model_type == "c2i":
         nrow = max(1, min(per_row, len(images) // cfg.num_classes))
         pick = {c: torch.nonzero(labels == c).flatten()[:nrow] for c in range(min(rows, cfg.num_classes))}
@@ -134,4 +140,4 @@ def quality_grid(images: torch.Tensor, labels: torch.Tensor, captions: list[str]
             if len(text) == rows:
                 break
         grid = torch.cat(parts)
-    save_grid(data.to_model_range(grid), path, nrow=nrow, labels=text)
+    return grid_image(data.to_model_range(grid), nrow=nrow, labels=text)

@@ -10,10 +10,10 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
-from lisa.checkpoint import atomic_write, write_json
+from lisa.checkpoint import atomic_write_all, json_writer, write_json
 from lisa.config import AutoTreeParams, PremiseParams, SampleParams, WorldParams
 from lisa.data import datasets as data
-from lisa.data.images import save_grid
+from lisa.data.images import grid_image
 from lisa.bench.speed import auto_tree, resolve_auto
 from lisa.decoding.sampling import SamplingConfig
 from lisa.models.llamagen import load_drafter, load_target, load_tokenizer
@@ -66,16 +66,18 @@ def sample(world: WorldParams, p: SampleParams, paths: WorldPaths) -> dict:
     total_s = time.perf_counter() - t0
     out = paths.samples_dir
     names = class_names(world) if cfg.model_type == "c2i" else None
-    save_grid(torch.cat(images), out / "grid.png", nrow=p.per_class,
-              labels=[f"{r} {names[int(r)]}" for r in rows] if names else rows)
+    grid = grid_image(torch.cat(images), nrow=p.per_class,
+                      labels=[f"{r} {names[int(r)]}" for r in rows] if names else rows)
     tokens = torch.cat(tokens)
-    # through a file object: torch.save names the archive after a path it is given (here a random temp name)
-    atomic_write(out / "tokens.pt", lambda tmp: _save_pt({"rows": rows, "tokens": tokens}, tmp))
     metrics = {"images": len(cond), "rows": rows, "decode_loop_s": total_s - decode_s, "vq_decode_s": decode_s,
                "s_per_image": (total_s - decode_s) / len(cond), "method": p.method, "tau": sum(taus) / len(taus),
                **({"auto_tree": auto} if auto else {}), **({"compiled": True} if p.compile else {}),
                "target_sha256": target_meta["sha256"], "tokenizer_sha256": vq_meta["sha256"]}
-    write_json(out / "metrics.json", metrics)
+    # one output: grid, tokens and metrics renamed into place together (a crash leaves the old three); tokens
+    # through a file object: torch.save names the archive after a path it is given (here a random temp name)
+    atomic_write_all({out / "grid.png": lambda tmp: grid.save(tmp, format="PNG"),
+                      out / "tokens.pt": lambda tmp: _save_pt({"rows": rows, "tokens": tokens}, tmp),
+                      out / "metrics.json": json_writer(metrics)})
     return metrics
 
 

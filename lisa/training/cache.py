@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from lisa.checkpoint import atomic_write, file_sha256, write_json
+from lisa.checkpoint import atomic_write, file_sha256, read_json, write_json
 from lisa.models.gpt import Transformer
 
 CACHE_VERSION = "1"
@@ -182,7 +182,10 @@ def prepare_cache_dir(out_dir: str | Path, identity: dict) -> Optional[str]:
     identity (or of none) is cleared, so shards of other settings are never reused. Returns why it was cleared."""
     out = Path(out_dir)
     path = out / IDENTITY
-    old = json.loads(path.read_text()) if path.is_file() else None
+    try:
+        old = json.loads(path.read_text()) if path.is_file() else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        old = {"unreadable": str(path)}  # of no known settings: cleared like any other
     why = None
     if old != identity and out.is_dir() and any(out.iterdir()):
         why = (f"{out}: holds a cache of other settings ({_identity_diff(old, identity)}): cleared"
@@ -263,7 +266,7 @@ def open_cache(cache_dir: str | Path, target_sha256: Optional[str] = None) -> Lo
     mpath = d / MANIFEST
     if not mpath.is_file():
         raise CacheError(f"{mpath}: no manifest: the cache is incomplete or not a logit cache (`lisa cache-logits`)")
-    m = json.loads(mpath.read_text())
+    m = read_json(mpath, CacheError)
     if m.get("version") != CACHE_VERSION:
         raise CacheError(f"{mpath}: cache version {m.get('version')!r}, this lisa reads {CACHE_VERSION!r}")
     if target_sha256 is not None and m["target_sha256"] != target_sha256:
@@ -275,7 +278,10 @@ def open_cache(cache_dir: str | Path, target_sha256: Optional[str] = None) -> Lo
         path = d / s["file"]
         if not path.is_file():
             raise CacheError(f"{path}: shard listed in the manifest is missing")
-        found = pq.read_schema(path)
+        try:
+            found = pq.read_schema(path)
+        except (pa.ArrowInvalid, OSError) as e:  # a damaged footer
+            raise CacheError(f"{path}: not a readable Parquet shard ({e})") from None
         if not same_schema(found, schema):
             raise CacheError(f"{path}: schema differs from the cache's:\n{found}\nexpected:\n{schema}")
         if file_sha256(path) != s["sha256"]:

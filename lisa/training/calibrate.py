@@ -18,7 +18,6 @@ that names both.
 """
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, asdict
@@ -29,7 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from lisa.checkpoint import atomic_write, file_sha256, write_json
+from lisa.checkpoint import atomic_write, file_sha256, read_json, write_json
 
 CALIBRATION_FILE = "calibration.safetensors"
 CALIBRATION_VERSION = "1"
@@ -169,7 +168,7 @@ def load_calibration(path: str | Path, head: Tensor, target_sha256: Optional[str
     side = path.with_suffix(".json")
     if not path.is_file() or not side.is_file():
         raise CalibrationError(f"{path}: no calibration there (needs {path.name} and {side.name}: `lisa calibrate`)")
-    meta = json.loads(side.read_text())
+    meta = read_json(side, CalibrationError)
     made = meta.get("made_from", {}).get("target_sha256")
     if target_sha256 is not None and made != target_sha256:
         raise CalibrationError(f"{path}: calibration made for target {made} ({meta['made_from'].get('target')}), but "

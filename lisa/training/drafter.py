@@ -35,7 +35,7 @@ from tqdm import tqdm
 from lisa.checkpoint import atomic_write
 from lisa.models.drafter import DrafterConfig, Eagle3Drafter
 from lisa.models.gpt import Transformer
-from lisa.training.loops import load_resume, lr_at, save_resume
+from lisa.training.loops import load_resume, lr_at, read_resume, save_resume
 
 
 def init_from_target(drafter: Eagle3Drafter, target: Transformer) -> Eagle3Drafter:
@@ -222,8 +222,8 @@ def train_drafter(drafter: Eagle3Drafter, target: Transformer, tokens: Tensor, c
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     key = torch.frombuffer(bytearray(target_id.encode() or b"-"), dtype=torch.uint8)
-    if resume.is_file() and rank == 0:
-        old = torch.load(resume, map_location="cpu", weights_only=True).get("target_id", key)
+    if rank == 0 and (state := read_resume(resume)) is not None:
+        old = state.get("target_id", key)
         if not torch.equal(old, key):
             print(f"{resume}: a checkpoint of a run against another target: starting from step 0")
             resume.unlink()

@@ -47,11 +47,28 @@ def save_resume(path: Path, model, opt, cfg, step: int, extra: dict):
     atomic_write(path, lambda tmp: torch.save(state, tmp))
 
 
-def load_resume(path: Path, model, opt, cfg) -> tuple[int, dict]:
-    """Restore a run from path if it is a checkpoint of this very run (same fingerprint); else start at 0."""
+def read_resume(path: Path) -> dict | None:
+    """The state in resume file `path`, or None when there is none. A file that cannot be read (truncated by a kill
+    or a full disk, not a checkpoint at all) is set aside as <name>.corrupt with a warning that names it, so the run
+    starts over instead of failing on it every time."""
     if not path.is_file():
+        return None
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch.load raises RuntimeError, EOFError, UnpicklingError... on a damaged file
+        aside = path.with_name(path.name + ".corrupt")
+        path.replace(aside)
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"warning: {path}: unreadable resume file ({why}); set aside as {aside.name}, starting from step 0")
+        return None
+
+
+def load_resume(path: Path, model, opt, cfg) -> tuple[int, dict]:
+    """Restore a run from path if it is a checkpoint of this very run (same fingerprint); else start at 0 (an
+    unreadable file is set aside: read_resume)."""
+    state = read_resume(path)
+    if state is None:
         return 0, {}
-    state = torch.load(path, map_location="cpu", weights_only=True)
     if not torch.equal(state.get("fingerprint", torch.empty(0, dtype=torch.uint8)), fingerprint(model, cfg)):
         print(f"{path}: a checkpoint of a different run (config changed): starting from step 0")
         return 0, {}
