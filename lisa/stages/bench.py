@@ -7,14 +7,14 @@ import time
 import torch
 
 from lisa.bench.speed import bench_speculative, bench_vanilla, markdown_table, speculative_markdown
-from lisa.checkpoint import write_json
+from lisa.checkpoint import atomic_write_all, json_writer
 from lisa.config import BenchParams, BenchSpecParams, SampleParams, WorldParams
 from lisa.models.gpt import Transformer, gpt_config
 from lisa.models.llamagen import load_target, load_tokenizer
 from lisa.stages.common import (calibration_sha, check_pair, class_names, load_geometry, method_drafters,
                                 text_encoder)
 from lisa.stages.paths import SharedPaths, Stage, WorldPaths
-from lisa.stages.render import plot_bench, write_lines
+from lisa.stages.render import lines_writer, plot_bench
 
 
 def bench(p: BenchParams, shared: SharedPaths) -> dict:
@@ -30,10 +30,10 @@ def bench(p: BenchParams, shared: SharedPaths) -> dict:
     name = p.target.get("preset", "custom")
     result = {"target": p.target, "params": model.num_params(), "threads": torch.get_num_threads(),
               "device": "cpu", "rows": rows}
-    write_json(shared.bench_dir / "vanilla.json", result)
     title = (f"Vanilla decode, {name} ({model.num_params() / 1e6:.0f}M params, random weights), "
              f"{result['threads']} threads")
-    write_lines(shared.bench_dir / "vanilla.md", [markdown_table(rows, title)], end="")
+    atomic_write_all({shared.bench_dir / "vanilla.md": lines_writer([markdown_table(rows, title)], end=""),
+                      shared.bench_dir / "vanilla.json": json_writer(result)})
     return result
 
 
@@ -95,12 +95,12 @@ def bench_spec(world: WorldParams, sample_p: SampleParams, p: BenchSpecParams, p
                "drafter_sha256": {k: meta["sha256"] for k, (_, meta) in drafters.items()},
                "calibration_sha256": calibration_sha(geometry)}
     out, w = paths.bench_dir, paths.world
-    write_json(out / f"{w}.json", report)
     title = (f"Speculative decoding, {paths.world}: {cfg.n_layer}-layer dim-{cfg.dim} target "
              f"({model.num_params() / 1e6:.1f}M), T={sampling.temperature:g}, CFG {sampling.cfg_scale:g}, "
              f"top-k {sampling.top_k or 'off'}")
-    write_lines(out / f"{w}.md", [speculative_markdown(report, title)], end="")
-    plot_bench(report, out / f"{w}.png", title)
+    atomic_write_all({out / f"{w}.png": plot_bench(report, title),  # one output: renamed into place together
+                      out / f"{w}.md": lines_writer([speculative_markdown(report, title)], end=""),
+                      out / f"{w}.json": json_writer(report)})
     return {m["name"]: {"ms_per_image": m["ms_per_image"], "speedup": m.get("speedup"), "tau": m["tau"]}
             for m in report["methods"]}
 

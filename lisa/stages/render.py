@@ -30,14 +30,19 @@ def _pyplot():
     return plt
 
 
-def _save_figure(fig, path: str | Path) -> None:
+def _figure_writer(fig):
+    """A writer of the figure as a PNG (for atomic_write / atomic_write_all); the figure is closed once written."""
     fig.tight_layout()
-    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
-    _pyplot().close(fig)
+
+    def write(tmp):
+        fig.savefig(tmp, format="png", dpi=110)
+        _pyplot().close(fig)
+
+    return write
 
 
-def plot_bench(report: dict, path: Path, title: str) -> None:
-    """Speedup per method and the acceptance-length distribution of each (one PNG beside the table)."""
+def plot_bench(report: dict, title: str):
+    """Speedup per method and the acceptance-length distribution of each (one PNG beside the table): its writer."""
     ms = report["methods"]
     fig, (a, b) = _pyplot().subplots(1, 2, figsize=(12, 4.2))
     names = [m["name"] for m in ms]
@@ -57,11 +62,12 @@ def plot_bench(report: dict, path: Path, title: str) -> None:
     b.set_ylabel("share of rounds")
     b.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
-    _save_figure(fig, path)
+    return _figure_writer(fig)
 
 
-def pareto_plot(cells: dict[str, dict[str, dict]], pareto: list[str], path: str | Path) -> None:
-    """tau against FID of every cell of each world (cells: world -> name -> metrics), the `pareto` sweep joined."""
+def pareto_plot(cells: dict[str, dict[str, dict]], pareto: list[str]):
+    """tau against FID of every cell of each world (cells: world -> name -> metrics), the `pareto` sweep joined: the
+    PNG's writer."""
     fig, axes = _pyplot().subplots(1, len(cells), figsize=(6 * len(cells), 4.5), squeeze=False)
     for ax, (w, wc) in zip(axes[0], cells.items()):
         ax.plot([wc[n]["fid"] for n in pareto], [wc[n]["tau"] for n in pareto], "o-", color="tab:red",
@@ -75,7 +81,7 @@ def pareto_plot(cells: dict[str, dict[str, dict]], pareto: list[str], path: str 
         ax.set_ylabel("tau: tokens per target forward")
         ax.set_title(w)
         ax.legend(fontsize=8)
-    _save_figure(fig, path)
+    return _figure_writer(fig)
 
 
 def describe_cell(c) -> str:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lisa.checkpoint import write_json
+from lisa.checkpoint import atomic_write_all, json_writer, write_json
 from lisa.config import TableParams
 from lisa.stages.paths import SharedPaths, Stage, WorldPaths
-from lisa.stages.render import describe_cell, pareto_plot, write_lines
+from lisa.stages.render import describe_cell, lines_writer, pareto_plot
 
 
 def _header(p: TableParams) -> list[str]:
@@ -58,10 +58,10 @@ def results_table(p: TableParams, cells_dirs: dict[str, Path], shared: SharedPat
         bench = json.loads((shared.bench_dir / f"{w}.json").read_text())
         section, rows_out[w] = _world_rows(w, p, bench, cells[w])
         lines += section
-    pareto_plot(cells, p.pareto, shared.pareto_file)
     lines += [f"Pareto plot (tau against FID over the cells {', '.join(p.pareto)}): `{shared.pareto_file.name}`.", ""]
-    write_lines(shared.table_file, lines, end="")
-    write_json(shared.table_file.with_suffix(".json"), rows_out)
+    atomic_write_all({shared.pareto_file: pareto_plot(cells, p.pareto),  # one output: renamed into place together
+                      shared.table_file: lines_writer(lines, end=""),
+                      shared.table_file.with_suffix(".json"): json_writer(rows_out)})
     return rows_out
 
 
