@@ -49,7 +49,8 @@ def atomic_write_all(writes: dict[str | os.PathLike, Callable[[str], None]]):
     it, then all renamed into place one after the other (in the order given: put the metrics last), so a crash while
     writing leaves the old set whole. A temporary is `.<name>.<random>.tmp`: .gitignore and .dvcignore skip it, and
     the next write of the same file removes one that a killed run left behind."""
-    temps = []
+    temps, umask = [], os.umask(0)
+    os.umask(umask)
     try:
         for path, write in writes.items():
             path = Path(path)
@@ -60,8 +61,6 @@ def atomic_write_all(writes: dict[str | os.PathLike, Callable[[str], None]]):
             os.close(fd)
             temps.append((tmp, path))
             write(tmp)
-            umask = os.umask(0)
-            os.umask(umask)
             os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the usual permissions of a new file
         for tmp, path in temps:
             os.replace(tmp, path)
@@ -210,10 +209,7 @@ def read_sidecar(path: str | os.PathLike, kind: Optional[str] = None, verify_has
     side = sidecar_path(path)
     if not side.is_file():
         raise CheckpointError(f"{path}: its sidecar {side} is missing (it carries the config and lineage)")
-    try:
-        meta = json.loads(side.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{side}: not valid JSON: {e}") from e
+    meta = read_json(side, CheckpointError)
     for key in ("kind", "config", "sha256"):
         if key not in meta:
             raise CheckpointError(f"{side}: missing key {key!r}")

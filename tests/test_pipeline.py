@@ -19,7 +19,8 @@ STAGES = ["build-dataset", "train-tokenizer", "encode", "train-target", "init-to
           "table", "bench", "bench-spec"]
 DAG = ["build-dataset", "train-tokenizer", "encode", "train-target", "sample", "premise", "fid-reference",
        "train-judge", "evaluate", "train-drafter", "cache-logits", "ablate-lid", "ablate-arch", "bench-spec",
-       "laion-fixture", "build-laion-coco", "build-self-generated", "calibrate", "eval-method", "table", "summary", "bench"]
+       "laion-fixture", "build-laion-coco", "build-self-generated", "calibrate", "eval-method", "table", "summary",
+       "bench"]
 
 
 def micro_repo(tmp_path: Path) -> Path:

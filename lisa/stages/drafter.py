@@ -157,10 +157,11 @@ def _conditions(world: WorldParams, target, sample_p: SampleParams, per_class: i
 def ablate_arch(world: WorldParams, train_p: TrainDrafterParams, p: AblateArchParams, sample_p: SampleParams,
                 paths: WorldPaths, drafter: str) -> dict:
     """One drafter architecture of ablate_arch.drafters, trained as ablate-lid's baseline (the logit cache,
-    train_drafter's settings but the steps, the entry's or the section's, and the architecture), then what a round pays for it and what it drafts:
-    its step against the target's one-token step (eager and compiled, interleaved), its held-out acceptance, and
-    tau and ms per image against vanilla under `exact` on the tree (conditions of sample.classes / sample.prompts,
-    vanilla and speculative interleaved per condition, eager) -> arch_report/<drafter>.json and its curves."""
+    train_drafter's settings but the architecture and the steps, the entry's or else the section's), then what a
+    round pays for it and what it drafts: its step against the target's one-token step (eager and compiled,
+    interleaved), its held-out acceptance, and tau and ms per image against vanilla under `exact` on the tree
+    (conditions of sample.classes / sample.prompts, vanilla and speculative interleaved per condition, eager)
+    -> arch_report/<drafter>.json and its curves."""
     from lisa.bench.regime import step_costs
     from lisa.decoding.generate import decoder
     from lisa.training.drafter import new_drafter, train_drafter as train
