@@ -168,10 +168,11 @@ def workspace(name: str, text: str, folder: str) -> Path:
 
 
 # matrix stages: the option that names their item (dvc.yaml's stage name is <stage>@<world>-<item>)
-MATRIX_ITEM = {"eval-method": "method", "ablate-arch": "drafter"}
+MATRIX_ITEM = {"eval-method": "method", "ablate-arch": "drafter", "sweep": "family"}
 # stages whose output folder is shared: the files (git pathspecs, in it) each run writes
 WRITES = {"bench": ["vanilla.*"], "bench-spec": ["{world}.*"], "table": ["table.*", "pareto.png"],
-          "eval-method": ["{method}.*", "{method}-tv.csv"], "ablate-arch": ["{drafter}.json", "{drafter}/*"]}
+          "eval-method": ["{method}.*", "{method}-tv.csv"], "ablate-arch": ["{drafter}.json", "{drafter}/*"],
+          "sweep": ["{family}.json"], "quality-point": ["{point}.json"]}
 
 
 def release_outputs(stage: str, world, options: dict) -> list[str]:
@@ -185,7 +186,8 @@ def release_outputs(stage: str, world, options: dict) -> list[str]:
     st = STAGES[stage]
     fields = [f for f, flag in ((st.out, "out"), (st.report, "report")) if f and options.get(flag) is None]
     paths = WorldPaths.of(world) if st.world else SharedPaths.of()
-    names = dict(world=world, method=options.get("method"), drafter=options.get("drafter"))
+    names = dict(world=world, method=options.get("method"), drafter=options.get("drafter"),
+                 family=options.get("family"), point=options.get("point"))
     found = []
     for target in [getattr(paths, f) for f in fields if hasattr(paths, f)]:
         specs = [str(target / w.format(**names)) for w in WRITES.get(stage, [])]
@@ -260,6 +262,14 @@ COMMANDS = {
     "eval-method": ("one quality cell of the results table: samples decoded with a method of params table.cells, "
                     "FID / KID, judge score, tau and the measured TV relaxation "
                     "-> reports/quality/<world>/methods/<method>.{json,png}", ["cell", "compile"]),
+    "sweep": ("the scoreboard's sweep of one family of params scoreboard.families: tau and the measured per-token TV "
+              "of every point of its knob grid on the same images and seeds (resumable per point) "
+              "-> reports/scoreboard/<world>/sweep/<family>.json", ["family"]),
+    "quality-point": ("one image-quality point of the scoreboard (params scoreboard.points): a family at a TV budget, "
+                      "Inception FID / KID / precision / recall, judge-space FD / KID and the judge's score with "
+                      "bootstrap 95%% intervals -> reports/scoreboard/<world>/quality/<point>.json", ["point"]),
+    "scoreboard": ("the matched-quality scoreboard of a world from its sweep and quality points: tau at each TV budget "
+                   "per family, the frontier plot -> reports/scoreboard/<world>.{md,json,png}", []),
     "table": ("the results table and the tau-FID Pareto plot from bench-spec and eval-method "
               "-> reports/table.{md,json}, reports/pareto.png (--out: their folder)", []),
     "summary": ("a world's headline from the results table: vanilla's FID, the fastest lossless and LISA rows "
@@ -293,6 +303,8 @@ OPTIONS = {
                                      "gasv (with a drafter; gasv reads data/calibration/<world>), sjd, gsd")),
     "cell": ("--method", dict(required=True, help="a key of params table.cells")),
     "arch": ("--drafter", dict(dest="drafter", required=True, help="a key of params ablate_arch.drafters")),
+    "family": ("--family", dict(required=True, help="a key of params scoreboard.families")),
+    "point": ("--point", dict(required=True, help="a key of params scoreboard.points")),
     "compile": ("--compile", dict(action="store_true", help="the target's and the drafter's forwards under "
                                   "torch.compile (static shapes; graphs compile on first use; default: params "
                                   "sample.compile / table.compile)")),
@@ -414,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
             if tracked:
                 item = MATRIX_ITEM.get(args.stage)
                 where = (f"{args.stage}@{world}" + (f"-{options[item]}" if item else "")) if world else args.stage
+                where = f"{args.stage}@{options['point']}" if args.stage == "quality-point" else where
                 raise ValueError(f"would overwrite what git holds in {', '.join(tracked)} (the committed outputs of "
                                  f"dvc.yaml's stage {where}): `dvc repro {where}` rebuilds them when their inputs "
                                  "changed; --out writes elsewhere; --force overwrites")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import typing
 from importlib import resources
 from pathlib import Path
@@ -489,6 +490,59 @@ class TableParams(SamplingParams):
 
 
 @dataclass(config=STRICT)
+class SweepFamily(DecodeMethod):
+    """One method's curve on the scoreboard: a decoding method and a grid over its knobs. A grid key is a verifier
+    option (lantern `delta`, gasv `kappa`, gsd `prob_gap`, ...) or a DecodeMethod field (`window`, `total_tokens`,
+    `depth`); the points are the grid's cross product (no grid: the method alone, one point)."""
+    grid: dict[str, list[float]] = Field(default_factory=dict)
+
+    def points(self) -> list[tuple[str, DecodeMethod]]:
+        """(label, method) per grid point, in grid order; the label names the knobs (e.g. `delta0.1-k64`)."""
+        fields = {f.name for f in dataclasses.fields(DecodeMethod)}
+        base = {f: getattr(self, f) for f in fields} | {"options": dict(self.options)}
+        out = []
+        for values in itertools.product(*self.grid.values()):
+            m, label = copy.deepcopy(base), []
+            for key, v in zip(self.grid, values):
+                if key in fields:
+                    m[key] = type(base[key])(v)
+                else:
+                    m["options"][key] = v
+                label.append(f"{key}{v:g}")
+            out.append(("-".join(label) or "default", DecodeMethod(**m)))
+        return out
+
+
+@dataclass(config=STRICT)
+class QualityPoint:
+    """One image-quality point of the scoreboard: a sweep family at a TV budget (its highest-tau sweep point whose
+    measured TV is within the budget; none: the family's single point, e.g. a lossless one), sampled with a seed
+    offset (vanilla's seed spread) and, for a control, a sampling value changed (a known degradation)."""
+    world: str  # a key of `worlds` (the point's DVC stage is quality-point@<its key>)
+    family: str
+    budget: Optional[Annotated[float, Field(gt=0)]] = None
+    seed: Count0 = 0  # added to scoreboard.seed: another draw of the same method
+    temperature: Optional[float] = None  # a control: vanilla at another temperature / top-k (the metrics must see it)
+    top_k: Optional[Count0] = None
+
+
+@dataclass(config=STRICT)
+class ScoreboardParams(SamplingParams):
+    """The matched-quality scoreboard (lisa/stages/scoreboard.py): a dense sweep of tau against the measured per-token
+    TV (`sweep`, one stage per world and family), image quality with bootstrap intervals at TV budgets
+    (`quality-point`, one stage per world and point) and the frontier and headline table (`scoreboard`)."""
+    sweep_images: Count = 100  # images per sweep point (TV and tau are per-token averages)
+    sweep_batch: Count = 50
+    budgets: list[Annotated[float, Field(gt=0)]] = Field(default_factory=lambda: [0.05, 0.15, 0.3])
+    families: dict[str, SweepFamily] = Field(default_factory=lambda: {"vanilla": SweepFamily()})
+    num_samples: Count = 1000  # images per quality point
+    batch_size: Count = 50
+    bootstrap: Count = 200  # resamples of the generated images for the 95% intervals
+    nearest_k: Count = 3  # precision / recall: the k-NN radius of each manifold (Kynkaanniemi et al. 2019)
+    points: dict[str, QualityPoint] = Field(default_factory=dict)
+
+
+@dataclass(config=STRICT)
 class LaunchParams:
     """How the flow launches the stages that run across processes (cache-logits, train-drafter; tasks/pipeline.py):
     torchrun's --nproc_per_node and --nnodes. No stage lists this section: the outputs do not depend on it. On a
@@ -531,6 +585,7 @@ class Params:
     bench_spec: BenchSpecParams = Field(default_factory=BenchSpecParams)
     calibrate: CalibrateParams = Field(default_factory=CalibrateParams)
     table: TableParams = Field(default_factory=TableParams)
+    scoreboard: ScoreboardParams = Field(default_factory=ScoreboardParams)
     launch: LaunchParams = Field(default_factory=LaunchParams)
 
     def world(self, name: str) -> WorldParams:
@@ -619,6 +674,25 @@ def parse_params(raw: Any, source: str = "params.yaml") -> Params:
         if params.table.cells[name].as_method(b) != bench_names[b]:
             raise ConfigError(f"{source}: section 'table': cells.{name} differs from bench_spec.methods' {b!r}: "
                               "a row's quality and speed must come from the same method")
+    sb = params.scoreboard
+    for name in list(sb.families) + list(sb.points):
+        if "." in name or "@" in name:
+            raise ConfigError(f"{source}: section 'scoreboard': key {name!r}: no '.' or '@' (DVC stage names)")
+    for name, fam in sb.families.items():
+        for key, values in fam.grid.items():
+            if not values:
+                raise ConfigError(f"{source}: section 'scoreboard.families.{name}.grid': {key!r} has no values")
+        try:
+            fam.points()
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"{source}: section 'scoreboard.families.{name}': {e}") from None
+    for name, pt in sb.points.items():
+        if pt.world not in params.worlds:
+            raise ConfigError(f"{source}: section 'scoreboard.points.{name}': world {pt.world!r} is not in worlds "
+                              f"{sorted(params.worlds)}")
+        if pt.family not in sb.families:
+            raise ConfigError(f"{source}: section 'scoreboard.points.{name}': family {pt.family!r} is not in "
+                              f"scoreboard.families {sorted(sb.families)}")
     try:
         gpt_config(**params.bench.target)
     except (ValueError, TypeError) as e:

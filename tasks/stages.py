@@ -46,6 +46,9 @@ bench_spec = stage_task("bench-spec")
 eval_method = stage_task("eval-method")
 table = stage_task("table")
 summary = stage_task("summary")
+sweep = stage_task("sweep")
+quality_point = stage_task("quality-point")
+scoreboard = stage_task("scoreboard")
 
 
 @task(name="estimate", task_run_name="estimate")

@@ -16,11 +16,11 @@ BIN = Path(sys.executable).parent
 STAGES = ["build-dataset", "train-tokenizer", "encode", "train-target", "init-tokenizer", "init-target", "sample",
           "premise", "fid-reference", "train-judge", "evaluate", "train-drafter", "cache-logits", "ablate-lid",
           "ablate-arch", "laion-fixture", "build-laion-coco", "build-self-generated", "calibrate", "eval-method",
-          "table", "bench", "bench-spec"]
+          "table", "bench", "bench-spec", "sweep", "quality-point", "scoreboard"]
 DAG = ["build-dataset", "train-tokenizer", "encode", "train-target", "sample", "premise", "fid-reference",
        "train-judge", "evaluate", "train-drafter", "cache-logits", "ablate-lid", "ablate-arch", "bench-spec",
        "laion-fixture", "build-laion-coco", "build-self-generated", "calibrate", "eval-method", "table", "summary",
-       "bench"]
+       "bench", "sweep", "quality-point", "scoreboard"]
 
 
 def micro_repo(tmp_path: Path) -> Path:
@@ -119,6 +119,23 @@ def test_dvc_repro_micro(tmp_path, micro_built):
         lossless, lisa = rows[world][head["lossless"]["method"]], rows[world][head["lisa"]["method"]]
         assert lossless["tv"] < 1e-3 and head["lossless"]["speedup"] == lossless["speedup"]
         assert head["lisa"]["tv"] == lisa["tv"] and head["vanilla_fid"] == rows[world]["vanilla"]["fid"]
+    for world in ("fashion-c2i", "emoji-t2i"):  # the scoreboard: one sweep per family, the frontier of each world
+        sw = json.loads((repo / f"reports/scoreboard/{world}/sweep/gasv-topk.json").read_text())
+        assert [r["label"] for r in sw["points"]] == ["kappa0-lambda0.5-k4", "kappa1-lambda0.5-k4"]
+        assert all(r["tau"] >= 1.0 and r["tv"] > 1e-5 and not r["lossless"] for r in sw["points"])
+        exact = json.loads((repo / f"reports/scoreboard/{world}/sweep/exact-sampled.json").read_text())["points"]
+        assert len(exact) == 1 and exact[0]["lossless"] and exact[0]["tau"] >= 1.0
+        board = json.loads((repo / f"reports/scoreboard/{world}.json").read_text())
+        assert set(board["families"]) == {"vanilla", "exact-sampled", "gasv-topk"}
+        assert board["families"]["exact-sampled"]["tv<=0.05"]["tau"] == exact[0]["tau"]
+        assert (repo / f"reports/scoreboard/{world}.png").stat().st_size > 0
+    board = json.loads((repo / "reports/scoreboard/fashion-c2i.json").read_text())
+    assert set(board["points"]) == {"fashion-c2i-vanilla-s0", "fashion-c2i-vanilla-s1", "fashion-c2i-gasv-topk-tv30"}
+    assert board["vanilla_floor"]["fid"]["seeds"] == 2
+    pt = json.loads((repo / "reports/scoreboard/fashion-c2i/quality/fashion-c2i-vanilla-s1.json").read_text())
+    assert pt["samples"] == 8 and pt["seed"] == 1 and pt["tau"] == 1.0
+    assert {"fid", "kid", "precision", "recall", "judge_fd", "judge_kid", "class_consistency"} == set(pt["metrics"])
+    assert all(m["lo"] <= m["hi"] for m in pt["metrics"].values())
     shown = run([str(BIN / "dvc"), "metrics", "show"], repo).splitlines()  # one row per world, a terminal wide
     assert len(shown) == 3 and max(map(len, shown)) <= 200, shown
     bench = json.loads((repo / "reports/bench/vanilla.json").read_text())

@@ -7,7 +7,8 @@ import pytest
 import tasks.stages as tasks
 from lisa.cli import main
 from lisa.config import profile_text
-from lisa.stages import STAGES, WorldPaths, bench, build, corpora, drafter, quality, report, sample
+from lisa.stages import (STAGES, WorldPaths, bench, build, corpora, drafter, quality, report, sample,
+                         scoreboard)
 
 # stage -> (its module, its function, the task of the same name)
 FUNCTIONS = {
@@ -36,9 +37,14 @@ FUNCTIONS = {
     "bench-spec": (bench, "bench_spec", tasks.bench_spec),
     "table": (report, "results_table", tasks.table),
     "summary": (report, "summary", tasks.summary),
+    "sweep": (scoreboard, "sweep", tasks.sweep),
+    "quality-point": (scoreboard, "quality_point", tasks.quality_point),
+    "scoreboard": (scoreboard, "scoreboard", tasks.scoreboard),
 }
 OPTIONS = {"eval-method": (["--method", "vanilla"], {"method": "vanilla"}),
-           "ablate-arch": (["--drafter", "eagle3"], {"drafter": "eagle3"})}
+           "ablate-arch": (["--drafter", "eagle3"], {"drafter": "eagle3"}),
+           "sweep": (["--family", "vanilla"], {"family": "vanilla"}),
+           "quality-point": (["--point", "fashion-c2i-vanilla-s0"], {"point": "fashion-c2i-vanilla-s0"})}
 
 
 @pytest.fixture

@@ -192,3 +192,24 @@ def retrieval(model: Clip, images: torch.Tensor, captions: list[str], ks=(1, 5))
     ranks = (img @ txt.T).argsort(-1, descending=True)
     return {f"top{k}": (ranks[:, :k] == truth[:, None]).any(-1).float().mean().item() for k in ks} | {
         "captions": len(distinct)}
+
+
+@torch.no_grad()
+def image_features(model: nn.Module, images: torch.Tensor, batch_size: int = 256) -> torch.Tensor:
+    """The judge's view of images (in [-1, 1]): the classifier's pooled features before its head, or CLIP's
+    normalised image embedding (B, d): the feature space of the scoreboard's judge-space FD / KID."""
+    model.eval()
+    encode = model.features if isinstance(model, Classifier) else model.encode_image
+    return torch.cat([encode(images[s]) for s in _batches(len(images), batch_size)])
+
+
+@torch.no_grad()
+def per_image_scores(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, captions: list[str],
+                     batch_size: int = 256) -> tuple[str, torch.Tensor]:
+    """(name, per-image score (B,)) whose mean is the judge's score: class consistency (100 x correct) or the CLIP
+    score."""
+    model.eval()
+    if isinstance(model, Classifier):
+        hits = torch.cat([model(images[s]).argmax(-1) == labels[s] for s in _batches(len(images), batch_size)])
+        return "class_consistency", 100.0 * hits.double()
+    return "clip_score", clip_scores(model, images, captions, batch_size).double()

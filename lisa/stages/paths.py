@@ -60,6 +60,11 @@ class WorldPaths:
     cells_dir: Path
     cells_work: Path
     summary_file: Path  # the world's headline metrics (reports/summary/<world>.json)
+    sweep_dir: Path  # the scoreboard's sweep: <family>.json per family
+    sweep_work: Path
+    points_dir: Path  # the scoreboard's quality points: <point>.json each
+    points_work: Path
+    scoreboard_report: Path  # without suffix: .md, .json, .png
     self_generated_dir: Path
     self_generated_report: Path
     codes_file: Path
@@ -98,6 +103,9 @@ class WorldPaths:
             bench_ddp_work=work / "bench-ddp" / w,
             cells_dir=reports / "quality" / w / "methods", cells_work=work / "quality" / w / "methods",
             summary_file=reports / "summary" / f"{w}.json",
+            sweep_dir=reports / "scoreboard" / w / "sweep", sweep_work=work / "scoreboard" / w / "sweep",
+            points_dir=reports / "scoreboard" / w / "quality", points_work=work / "scoreboard" / w / "quality",
+            scoreboard_report=reports / "scoreboard" / w,
             self_generated_dir=data / "corpora" / "self-generated" / w,
             self_generated_report=reports / "corpora" / f"self-generated-{w}.json")
         files = dict(codes_file=("codes_dir", "codes.safetensors"),

@@ -174,7 +174,8 @@ def evaluate(world: WorldParams, p: EvaluateParams, q: QualityParams, paths: Wor
 
 
 def _method_decoder(s: _Scored, m, p: TableParams, paths: WorldPaths):
-    """(decode, drafters, geometry) of a table cell's method on the target."""
+    """(decode, drafters, geometry) of a decoding method (a table cell's, a scoreboard point's) on the target;
+    p.compile: the forwards under torch.compile."""
     drafters = method_drafters([m], {"release": paths.drafter_file, "lid": paths.lid_drafter_file}, s.target_meta)
     geometry = load_geometry(s.model, s.target_meta, s.vq, [m], min(64, s.model.config.vocab_size - 1),
                              paths.calibration_file)
@@ -185,21 +186,30 @@ def _method_decoder(s: _Scored, m, p: TableParams, paths: WorldPaths):
     return decode, drafters, geometry
 
 
-def _decode_cell(decode, s: _Scored, name: str, sampling, p: TableParams, stats_path: Path) -> torch.Tensor:
-    """The cell's tokens, batch i seeded (seed, i); tau, the TV per position and the time go to stats_path."""
+def decode_conditions(decode, conds: torch.Tensor, sampling, batch_size: int, seed: int, desc: str,
+                      T: int) -> tuple[torch.Tensor, dict]:
+    """(tokens (n, T), stats) of `decode` over the conditions in batches, batch i seeded (seed, i): tau pooled over
+    every round of every row, the measured TV per image position and its mean past the first token, the time."""
     toks, taus, tvs, t0 = [], [], [], time.perf_counter()
-    for i, batch in enumerate(tqdm(list(s.conds.split(p.batch_size)), desc=f"eval {name}", unit="batch")):
-        tok, st = decode(batch, sampling, torch.Generator().manual_seed(p.seed * 1_000_003 + i))
+    for i, batch in enumerate(tqdm(list(conds.split(batch_size)), desc=desc, unit="batch")):
+        tok, st = decode(batch, sampling, torch.Generator().manual_seed(seed * 1_000_003 + i))
         toks.append(tok)
         lengths = [a for row in st.get("accept_lengths", []) for a in row if a > 0]
         taus += lengths or [1] * tok.numel()
         if "tv" in st:
             tvs.append(st["tv"])
-    tv = torch.cat(tvs) if tvs else torch.zeros(len(s.conds), s.model.config.block_size)
-    write_json(stats_path, {"decode_s": time.perf_counter() - t0, "tau": sum(taus) / len(taus),
-                            "tv_per_position": tv.nanmean(0).tolist(), "tv_mean": float(tv[:, 1:].nanmean()),
-                            "threads": torch.get_num_threads()})
-    return torch.cat(toks)
+    tv = torch.cat(tvs) if tvs else torch.zeros(len(conds), T)
+    return torch.cat(toks), {"decode_s": time.perf_counter() - t0, "tau": sum(taus) / len(taus),
+                             "tv_per_position": tv.nanmean(0).tolist(), "tv_mean": float(tv[:, 1:].nanmean()),
+                             "threads": torch.get_num_threads()}
+
+
+def _decode_cell(decode, s: _Scored, name: str, sampling, p: TableParams, stats_path: Path) -> torch.Tensor:
+    """The cell's tokens, batch i seeded (seed, i); tau, the TV per position and the time go to stats_path."""
+    tokens, stats = decode_conditions(decode, s.conds, sampling, p.batch_size, p.seed, f"eval {name}",
+                                      s.model.config.block_size)
+    write_json(stats_path, stats)
+    return tokens
 
 
 def eval_method(world: WorldParams, name: str, p: TableParams, q: QualityParams, paths: WorldPaths) -> dict:

@@ -84,6 +84,35 @@ def pareto_plot(cells: dict[str, dict[str, dict]], pareto: list[str]):
     return _figure_writer(fig)
 
 
+def scoreboard_plot(world: str, fams: dict[str, dict], points: dict[str, dict], floor: dict):
+    """The scoreboard's two panels: tau against the measured TV, one curve per sweep family (its points in TV order);
+    the quality points' Inception FID with their 95% intervals against their TV, vanilla's seed band behind: the
+    PNG's writer."""
+    fig, (a, b) = _pyplot().subplots(1, 2, figsize=(13, 4.8))
+    for f, sw in fams.items():
+        pts = sorted(sw["points"], key=lambda r: r["tv"])
+        a.plot([r["tv"] for r in pts], [r["tau"] for r in pts], "o-" if len(pts) > 1 else "s", ms=4, label=f)
+    a.set_xlabel("measured per-token TV to the target (0 = lossless)")
+    a.set_ylabel("tau: tokens per target forward")
+    a.set_title(f"{world}: the sweep")
+    a.legend(fontsize=7, ncol=2)
+    shown = {n: r for n, r in points.items() if r.get("within_budget")}
+    if "fid" in floor:
+        b.axhspan(floor["fid"]["lo"], floor["fid"]["hi"], color="grey", alpha=0.2,
+                  label=f"vanilla, {floor['fid']['seeds']} seeds")
+    for n, r in shown.items():
+        m = r["metrics"]["fid"]
+        b.errorbar(r["tv"], m["value"], yerr=[[m["value"] - m["lo"]], [m["hi"] - m["value"]]], fmt="o", capsize=3)
+        b.annotate(f"{n} (tau {r['tau']:.2f})", (r["tv"], m["value"]), fontsize=7, xytext=(4, 2),
+                   textcoords="offset points")
+    b.set_xlabel("measured per-token TV to the target")
+    b.set_ylabel("Inception FID [95% interval] (lower is better)")
+    b.set_title(f"{world}: quality points")
+    if "fid" in floor:
+        b.legend(fontsize=7)
+    return _figure_writer(fig)
+
+
 def describe_cell(c) -> str:
     """A table cell's settings in a few words: window, or tree and verifier knobs."""
     if c.method == "vanilla":

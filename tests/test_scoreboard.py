@@ -1,0 +1,107 @@
+"""The scoreboard (lisa/stages/scoreboard.py): its image metrics agree with torch-fidelity, its intervals separate a
+known degradation and not two draws of one distribution, its grids and budget picks, and the committed fashion
+points at the sample count the scoreboard uses."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from torch_fidelity.metric_prc import prc_features_to_metric
+
+from lisa.config import ConfigError, DecodeMethod, SweepFamily, load_params, parse_params
+from lisa.quality import compare
+from lisa.quality.fid import fid_kid
+from lisa.stages.scoreboard import pick
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _feats(n, d, shift=0.0, scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d, generator=g) * scale + shift
+
+
+@pytest.mark.parametrize("d", [32, 300])  # d < n: the SVD form; d > n: the Gram form of a resample
+def test_metrics_are_torch_fidelitys(d):
+    ref, gen = _feats(250, d), _feats(250, d, 0.05, 1.1, seed=1)
+    space = compare._Space(compare.Reference.of(ref), gen, 3)
+    ours = space(torch.arange(250))
+    theirs = fid_kid(ref, gen, kid_subsets=1, kid_subset_size=250)  # one subset of every image: the full-set KID
+    prc = prc_features_to_metric(gen, ref, prc_neighborhood=3, prc_batch_size=10000, save_cpu_ram=False,
+                                 verbose=False)
+    assert ours["fd"] == pytest.approx(theirs["fid"], rel=1e-5)
+    assert ours["kid"] == pytest.approx(theirs["kid"], rel=1e-4)
+    assert ours["precision"] == pytest.approx(prc["precision"]) and ours["recall"] == pytest.approx(prc["recall"])
+    idx = torch.randint(0, 250, (250,), generator=torch.Generator().manual_seed(3))  # a resample, duplicates
+    assert space(idx)["fd"] == pytest.approx(compare.frechet(space.ref, gen[idx]), rel=1e-8)
+
+
+def _metrics(gen, ref, seed=0):
+    scores = (gen[:, 0] > 0).double() * 100
+    return compare.image_metrics(ref, gen, ref[:, :8], gen[:, :8], scores, "score", bootstrap=60, seed=seed)
+
+
+def test_intervals_separate_a_degradation_and_not_two_draws():
+    """Two draws of the reference law overlap on every metric; a widened law (a temperature above 1) is
+    separated on FD, KID and precision, in both feature spaces."""
+    ref = _feats(400, 16, seed=0)
+    a, b = _metrics(_feats(300, 16, seed=1), ref), _metrics(_feats(300, 16, seed=2), ref, seed=1)
+    hot = _metrics(_feats(300, 16, scale=1.4, seed=3), ref)
+    assert all(compare.overlaps(a[k], b[k]) for k in a), {k: (a[k], b[k]) for k in a}
+    for k in ("fid", "kid", "precision", "judge_fd", "judge_kid"):
+        assert not compare.overlaps(a[k], hot[k]) and not compare.overlaps(b[k], hot[k]), k
+    assert all(m["lo"] <= m["hi"] for m in hot.values())
+
+
+def test_family_grid_points():
+    fam = SweepFamily(method="gsd", window=16, options={"rank_window": 7}, grid={"prob_gap": [0.05, 0.3],
+                                                                                 "window": [8, 16]})
+    pts = fam.points()
+    assert [label for label, _ in pts] == ["prob_gap0.05-window8", "prob_gap0.05-window16", "prob_gap0.3-window8",
+                                           "prob_gap0.3-window16"]
+    m = pts[1][1]
+    assert isinstance(m, DecodeMethod) and m.window == 16 and isinstance(m.window, int)
+    assert m.options == {"rank_window": 7, "prob_gap": 0.05} and fam.options == {"rank_window": 7}
+    assert SweepFamily(method="exact").points()[0][0] == "default"
+
+
+def test_pick_takes_the_highest_tau_within_the_budget():
+    pts = [{"label": "a", "tau": 2.0, "tv": 0.04}, {"label": "b", "tau": 3.0, "tv": 0.12},
+           {"label": "c", "tau": 3.5, "tv": 0.4}, {"label": "d", "tau": 3.0, "tv": 0.1}]
+    assert pick(pts, 0.05)["label"] == "a" and pick(pts, 0.15)["label"] == "d" and pick(pts, 1.0)["label"] == "c"
+    assert pick(pts, 0.01) is None
+    assert pick(pts[:1], None)["label"] == "a"
+    with pytest.raises(ValueError, match="needs a TV budget"):
+        pick(pts, None)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda sb: sb["points"].update({"x": {"world": "fashion-c2i", "family": "nope"}}), "family 'nope'"),
+    (lambda sb: sb["points"].update({"x": {"world": "mars", "family": "vanilla"}}), "world 'mars'"),
+    (lambda sb: sb["families"].update({"a.b": {"method": "vanilla"}}), "no '.' or '@'"),
+    (lambda sb: sb["families"].update({"g": {"method": "lantern", "grid": {"delta": []}}}), "'delta' has no values"),
+    (lambda sb: sb["families"].update({"g": {"method": "lantern", "grid": {"speed": [1.0]}}}), "speed"),
+])
+def test_scoreboard_params_errors_name_the_key(edit, message):
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    edit(raw["scoreboard"])
+    with pytest.raises(ConfigError, match=message):
+        parse_params(raw)
+
+
+def test_committed_fashion_points_separate_the_control_and_not_vanilla_seeds():
+    """At the scoreboard's sample count on the fashion release target: vanilla's three seeds overlap pairwise on
+    every metric, and the control (vanilla at temperature 1.3) lies outside vanilla's seed band on Inception FID
+    and on the judge's FD."""
+    p = load_params(ROOT / "params.yaml").scoreboard
+    folder = ROOT / "reports/scoreboard/fashion-c2i/quality"
+    pts = {n: json.loads((folder / f"{n}.json").read_text()) for n in p.points if (folder / f"{n}.json").is_file()}
+    seeds = [pts[f"fashion-c2i-vanilla-s{i}"]["metrics"] for i in range(3)]
+    control = pts["fashion-c2i-control-t13"]["metrics"]
+    assert all(pts[n]["samples"] == p.num_samples for n in pts)
+    for a in seeds:
+        for b in seeds:
+            assert all(compare.overlaps(a[k], b[k]) for k in a), {k: (a[k], b[k]) for k in a}
+    for k in ("fid", "judge_fd"):
+        assert all(not compare.overlaps(control[k], s[k]) for s in seeds), (k, control[k], [s[k] for s in seeds])
