@@ -89,9 +89,11 @@ def scoreboard_plot(world: str, fams: dict[str, dict], points: dict[str, dict], 
     the quality points' Inception FID with their 95% intervals against their TV, vanilla's seed band behind: the
     PNG's writer."""
     fig, (a, b) = _pyplot().subplots(1, 2, figsize=(13, 4.8))
-    for f, sw in fams.items():
+    colors = _pyplot().get_cmap("tab20").colors
+    for i, (f, sw) in enumerate(fams.items()):
         pts = sorted(sw["points"], key=lambda r: r["tv"])
-        a.plot([r["tv"] for r in pts], [r["tau"] for r in pts], "o-" if len(pts) > 1 else "s", ms=4, label=f)
+        a.plot([r["tv"] for r in pts], [r["tau"] for r in pts], "o-" if len(pts) > 1 else "s", ms=4, label=f,
+               color=colors[2 * i % 20 + (2 * i // 20) % 2])
     a.set_xlabel("measured per-token TV to the target (0 = lossless)")
     a.set_ylabel("tau: tokens per target forward")
     a.set_title(f"{world}: the sweep")

@@ -110,7 +110,7 @@ def quality_point(world: WorldParams, name: str, p: ScoreboardParams, q: Quality
         out |= {"within_budget": False}
         write_json(paths.points_dir / f"{name}.json", out)
         return out
-    m = p.families[pt.family].points()[[r["label"] for r in read_json(sweep_file)["points"]].index(chosen["label"])][1]
+    m = DecodeMethod(**chosen["method"])  # the very method the sweep measured
     s = _scored(paths, p.num_samples)
     sampling = world.sampling_config(p)
     sampling = replace(sampling, temperature=pt.temperature if pt.temperature is not None else sampling.temperature,
