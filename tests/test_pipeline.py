@@ -161,6 +161,7 @@ def test_stages_import_an_official_checkpoint(tmp_path):
 
     asset = ROOT / "tests" / "assets" / "llamagen_c2i_tiny.pt"
     raw = yaml.safe_load(profile_text("micro"))
+    raw["scoreboard"]["points"] = {}  # the profile's points name its own worlds
     raw["worlds"] = {"imported": {"target": {"preset": "GPT-micro"}, "tokenizer": {"preset": "VQ-micro"},
                                   "target_checkpoint": str(asset)}}
     p = parse_params(raw)
@@ -199,6 +200,7 @@ def test_dvc_repro_lumina_world(tmp_path):
     params = yaml.safe_load(profile_text("micro"))
     from dataclasses import asdict
 
+    params["scoreboard"]["points"] = {}  # the profile's points name its own worlds
     params["worlds"] = {"lumina-micro": {
         "dataset": {"name": "coco", "image_size": 16, "path": str(train), "captions": str(train_caps),
                     "test_path": str(val), "test_captions": str(val_caps)},

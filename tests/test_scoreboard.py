@@ -34,7 +34,7 @@ def test_metrics_are_torch_fidelitys(d):
     assert ours["kid"] == pytest.approx(theirs["kid"], rel=1e-4)
     assert ours["precision"] == pytest.approx(prc["precision"]) and ours["recall"] == pytest.approx(prc["recall"])
     idx = torch.randint(0, 250, (250,), generator=torch.Generator().manual_seed(3))  # a resample, duplicates
-    assert space(idx)["fd"] == pytest.approx(compare.frechet(space.ref, gen[idx]), rel=1e-8)
+    assert space(idx)["fd"] == pytest.approx(compare.frechet(space.ref, gen[idx]), rel=1e-6)
 
 
 def _metrics(gen, ref, seed=0):
