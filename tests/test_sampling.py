@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from lisa.decoding.sampling import SamplingConfig, cfg_logits, filter_logits, logits_to_probs, sample, sample_from
+from lisa.decoding.sampling import (SamplingConfig, cfg_logits, filter_logits, logits_to_probs, sample, sample_from,
+                                    sample_inverse, inverse_cdf)
 
 
 def test_cfg_arithmetic_cond_first():
@@ -59,6 +60,35 @@ def test_sampler_is_exact_chi_square():
     expected = probs.double() / probs.double().sum() * n
     _, pvalue = scipy_stats.chisquare(counts.numpy(), expected.numpy())
     assert pvalue > 1e-4
+
+
+@pytest.mark.parametrize("scale", [1.0, 3.7])
+def test_inverse_cdf_sampler_is_exact_chi_square(scale):
+    """sample_inverse draws exactly from probs, normalised or not (scale), and never a token of probability 0:
+    chi-square over 200k draws, with zeros inside and at both ends of the row."""
+    from scipy import stats as scipy_stats
+    probs = torch.softmax(torch.randn(12) * 1.5, -1)
+    probs[[0, 5, 11]] = 0.0
+    n = 200_000
+    draws = sample_inverse(scale * probs.expand(n, -1), torch.Generator().manual_seed(0))
+    counts = torch.bincount(draws, minlength=12).double()
+    assert counts[[0, 5, 11]].sum() == 0
+    keep = probs > 0
+    expected = probs.double()[keep] / probs.double().sum() * n
+    _, pvalue = scipy_stats.chisquare(counts[keep].numpy(), expected.numpy())
+    assert pvalue > 1e-4
+
+
+def test_inverse_cdf_at_the_ends_of_the_unit_interval():
+    """u = 0 takes the first token with mass, the largest float32 below 1 the last one, never the zero-mass tokens
+    around them (an uncapped search lands past the row's end there)."""
+    probs = torch.tensor([[0.0, 0.25, 0.5, 0.25, 0.0, 0.0], [0.0, 0.0, 1e-30, 0.3, 0.7, 0.0]])
+    below_one = torch.tensor(1.0).nextafter(torch.tensor(0.0))
+    for scale in (1.0, 1 / 3, 7.0):
+        assert inverse_cdf(scale * probs, torch.zeros(2)).tolist() == [1, 2]
+        assert inverse_cdf(scale * probs, below_one.expand(2)).tolist() == [3, 4]
+        c = (scale * probs).cumsum(-1)
+        assert (torch.searchsorted(c, c[:, -1:], right=True) == 6).all()  # at the total itself: past the end
 
 
 def test_sampling_config_validation():

@@ -2,7 +2,7 @@
 >= 1e5 draws, trees with several siblings per node, deterministic and sampled siblings)."""
 import pytest
 import torch
-from scipy.stats import chisquare
+from scipy.stats import chi2_contingency, chisquare
 
 from lisa.decoding.tree import Tree, chain
 from lisa.decoding.verify import (VERIFIERS, Geometry, GSDOptions, LanternOptions, VerifyContext, children_table,
@@ -226,3 +226,55 @@ def test_transport_moves_mass_along_edges_as_defined(budget):
     assert torch.allclose(gain, moved, atol=1e-6) and (moved > 0).all()
     if budget is not None:
         assert (moved <= budget + 1e-6).all()
+
+
+def jacobi_chain(B, D=3, seed=0):
+    """A Jacobi-style chain of i.i.d. drafts: node i drawn from Q[i], the target p at its parent a function of the
+    token drafted before it (so acceptance depends on the path), an empty-residual level (p = q) included."""
+    from lisa.decoding.tree import tree_shape
+    g = torch.Generator().manual_seed(seed)
+    Q = (2 * torch.rand(D + 1, V, generator=g)).softmax(-1)
+    P = (2 * torch.rand(V, V, generator=g)).softmax(-1)
+    P[2] = Q[2]  # after token 2 the target equals the next node's law: nothing is ever rejected there
+    tokens = torch.stack([torch.multinomial(Q[i], B, replacement=True, generator=g) for i in range(D)], 1)
+    p = torch.cat([P[0].expand(B, 1, V), P[tokens]], 1)  # row 0: the root's target, row i + 1: P[x_i]
+    q = Q.expand(B, D + 1, V)
+    shape = tree_shape([(0,) * d for d in range(1, D + 1)])
+    tree = Tree(tokens, shape.parents.expand(B, D), shape.depth.expand(B, D), torch.zeros(B, D), q, "iid", shape)
+    return tree, p
+
+
+def test_chain_walk_equals_the_level_by_level_walk():
+    """walk_chain (every level at once, sjd / scd-mc's windows) has walk_sampled's law: the same measured law and
+    TV at every node, and the same joint law of (accepted length, emitted tokens) over 200k windows."""
+    from lisa.decoding.verify import walk_chain, walk_sampled
+    B, D = 200_000, 3
+    tree, p = jacobi_chain(B, D)
+    a = walk_chain(VerifyContext(p, tree, measure=True), torch.Generator().manual_seed(1))
+    b = walk_sampled(VerifyContext(p, tree, measure=True), torch.Generator().manual_seed(2))
+    torch.testing.assert_close(a.tv[:, 0], b.tv[:, 0])  # every row stands on the root
+    both = ~a.tv.isnan() & ~b.tv.isnan()
+    torch.testing.assert_close(a.tv[both], b.tv[both], atol=1e-6, rtol=0)
+    assert (a.n_accepted == D).any() and (a.n_accepted == 0).any()
+    key = lambda v: (v.n_accepted * V + v.next_token).bincount(minlength=(D + 1) * V).double()  # (m, next token)
+    ca, cb = key(a), key(b)
+    seen = (ca + cb) > 0
+    assert chi2_contingency(torch.stack([ca[seen], cb[seen]]).numpy()).pvalue > 1e-4  # two samples, one law
+    assert chi2_p(torch.bincount(emitted(tree, a, 1)[:, 0], minlength=V), p[0, 0]) > 1e-3  # the first token ~ p
+
+
+def test_jacobi_verifiers_take_the_chain_walk_on_chains_only():
+    """sjd / scd-mc walk a chain window all at once and a tree window (sjd-pac's) level by level."""
+    from lisa.decoding import verify
+    tree, p = jacobi_chain(64)
+    calls = []
+    orig = verify.walk_chain, verify.walk_sampled
+    try:
+        verify.walk_chain = lambda ctx, g: calls.append("chain") or orig[0](ctx, g)
+        verify.walk_sampled = lambda ctx, g, *a, **k: calls.append("levels") or orig[1](ctx, g, *a, **k)
+        get_verifier("scd-mc")(VerifyContext(p, tree), torch.Generator())
+        wide, pw, *_ = tree_batch(64, "wor")
+        get_verifier("sjd")(VerifyContext(pw, wide), torch.Generator())
+    finally:
+        verify.walk_chain, verify.walk_sampled = orig
+    assert calls == ["chain", "levels"]

@@ -73,6 +73,24 @@ def sample_from(probs: Tensor, generator: Optional[torch.Generator] = None) -> T
     return torch.argmax(probs / e, dim=-1)
 
 
+def sample_inverse(probs: Tensor, generator: Optional[torch.Generator] = None) -> Tensor:
+    """One draw per row of probs (..., V) (non-negative, not necessarily normalised; each row with some mass) ->
+    (...,) long, by the inverse CDF: one uniform per row instead of the exponential race's V exponentials (on a CPU
+    an exponential costs ~15 ns, so a (16, 1024) window of rows draws in ~20 us instead of ~240 us). Exact up to
+    float32 rounding of the cumulative sum; never a token of probability 0 (the index is capped at the first one
+    that reaches the total). No host sync."""
+    return inverse_cdf(probs, torch.rand(probs.shape[:-1], generator=generator, device=probs.device))
+
+
+def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
+    """The token of each row of probs (..., V) at uniform u (...,) in [0, 1): the first index whose cumulative mass
+    exceeds u times the row's total, capped at the first index that reaches the total (so that rounding at u near 1
+    never lands on the zero-mass tokens after the last one with mass)."""
+    c = probs.cumsum(-1)  # (..., V)
+    at = torch.searchsorted(c, u[..., None] * c[..., -1:], right=True)
+    return torch.minimum(at, c.argmax(-1, keepdim=True)).squeeze(-1)
+
+
 def sample(logits: Tensor, cfg: SamplingConfig, generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor]:
     """Guided logits (..., V) -> (tokens (...,), probs (..., V)). CFG must already be applied (cfg_logits)."""
     probs = logits_to_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p)

@@ -101,6 +101,7 @@ class Level:
     s: Tensor  # (n,) each node's index among its siblings
     width: int  # most children of one parent on this level
     built: int  # nodes on the earlier levels (the arrays' prefix before this level)
+    groups: tuple[list[int], ...]  # per parent in `parents`: its children's node indices, in node order (host)
 
 
 @dataclass(frozen=True, eq=False)
@@ -140,7 +141,8 @@ def _tree_shape(paths: tuple[tuple[int, ...], ...], device: str) -> Shape:
                             torch.tensor([index.get(pp, -1) for pp in parent_paths], device=device),
                             torch.tensor([at[p[:-1]] for p in nodes], device=device),
                             torch.tensor([p[-1] for p in nodes], device=device),
-                            max(p[-1] for p in nodes) + 1, index[nodes[0]]))
+                            max(p[-1] for p in nodes) + 1, index[nodes[0]],
+                            tuple([index[p] for p in nodes if p[:-1] == pp] for pp in parent_paths)))
     widths = tuple(lv.width for lv in levels) + (0,)
     return Shape(paths, parents, depth, plain.ancestor_mask()[0], plain.children()[0], tuple(levels), widths)
 

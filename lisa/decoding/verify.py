@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from lisa.decoding.fused import fused
+from lisa.decoding.sampling import sample_inverse
 from lisa.decoding.tree import Tree
 
 
@@ -169,7 +170,7 @@ def walk_sampled(ctx: VerifyContext, generator: torch.Generator, relax_fn: Optio
         raise ValueError("verifying sampled drafts needs the distributions they were drawn from (tree.q)")
     B, V = p.shape[0], p.shape[-1]
     kids = children_table(tree)
-    depth = int(tree.depth.max()) if tree.size else 0
+    depth = len(tree.shape.levels) if tree.shape is not None else int(tree.depth.max()) if tree.size else 0
     dev = p.device
     ar = torch.arange(B, device=dev)
     relax = relax_fn or (lambda p_node, q, row, ctx: p_node)
@@ -210,6 +211,49 @@ def walk_sampled(ctx: VerifyContext, generator: torch.Generator, relax_fn: Optio
     if tv is not None:
         tv = torch.where(torch.arange(depth + 1, device=dev)[None] <= n_acc[:, None], tv, float("nan"))
     return Verdict(path, n_acc, sample_residual(emit(r, row, ctx), generator), tv)
+
+
+def walk_chain(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
+    """`walk_sampled`'s exact rule on a Jacobi window that is a chain (node i at depth i + 1, drawn from tree.q[:, i]),
+    every level at once: node i is accepted iff u_i < min(1, p_i(x_i) / q_i(x_i)) with one uniform per level drawn
+    up front (B, D); the walk stops at the first rejection and emits from norm(max(p - q, 0)) there (p where that
+    is empty, p = q), or from p after the last node. The same law as walking level by level (the uniforms of levels
+    the walk never reaches are simply unused), in ~20 tensor ops per round instead of ~35 per level, with one
+    inverse-CDF draw for the emitted token. measure: the law of each emitted token, q a + (1 - sum q a) residual
+    (walk_sampled's i.i.d. recursion with one child), against p."""
+    p, tree = ctx.p, ctx.tree
+    B, D = tree.tokens.shape
+    u = torch.rand(B, D, generator=generator, device=p.device)
+    m, emit, law = fused(_chain_verdict, ctx.fuse)(p, tree.q, tree.tokens, u, ctx.measure)
+    levels = torch.arange(D, device=p.device)[None]  # (1, D)
+    path = torch.where(levels < m[:, None], levels, -1)
+    tv = None
+    if law is not None:  # only the nodes the walk stood on: levels 0 .. m
+        tv = 0.5 * (law - p).abs().sum(-1)  # (B, D + 1)
+        tv = torch.where(torch.arange(D + 1, device=p.device)[None] <= m[:, None], tv, float("nan"))
+    return Verdict(path, m, sample_inverse(emit, generator), tv)
+
+
+def _chain_verdict(p: Tensor, q: Tensor, tokens: Tensor, u: Tensor,
+                   measure: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """walk_chain's pure part: p (B, D + 1, V), q (B, >= D, V) the law of each node, tokens (B, D), u (B, D) ->
+    (accepted m (B,), the distribution the next token is drawn from (B, V), the law of the token emitted at each
+    level (B, D + 1, V) when measure, else None)."""
+    B, D = tokens.shape
+    r, q = _normalise(p), q[:, :D]  # (B, D + 1, V), (B, D, V)
+    tok = tokens[..., None]  # (B, D, 1)
+    prob = torch.where(q.sum(-1) > 1e-12, ratio(r[:, :D].gather(2, tok).squeeze(2), q.gather(2, tok).squeeze(2)), 0.0)
+    rejected = u >= prob  # (B, D)
+    m = torch.where(rejected.any(1), rejected.long().argmax(1), D)  # (B,) the first rejection, D if none
+    rest = _normalise((r[:, :D] - q).clamp(min=0))  # (B, D, V) the residual after each level's rejection
+    rest = torch.where(rest.sum(-1, keepdim=True) > 0, rest, r[:, :D])  # r == q: nothing is ever rejected
+    at = m[:, None, None].expand(B, 1, r.shape[-1])
+    emit = torch.cat([rest, r[:, D:]], 1).gather(1, at).squeeze(1)  # (B, V): the residual at m, or p after the chain
+    law = None
+    if measure:
+        qa = q * ratio(r[:, :D], q)
+        law = torch.cat([qa + (1 - qa.sum(-1, keepdim=True)).clamp(min=0) * rest, r[:, D:]], 1)
+    return m, emit, law
 
 
 def _try_sibling(r: Tensor, qi: Tensor, tok: Tensor, u: Tensor, active: Tensor, exists: Tensor,
@@ -526,7 +570,7 @@ def sjd(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
     resamples from norm(max(0, p_t - p_{t-1})) (the recursive rejection rule on a chain)."""
     verifier_options("sjd", ctx.options)
     _needs_sampled("sjd", ctx.tree)
-    return walk_sampled(ctx, generator)
+    return _jacobi_walk(ctx, generator)
 
 
 @dataclass(frozen=True)
@@ -554,6 +598,16 @@ def scd_mc(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
     re-drafting of the window (lisa.decoding.generate.couple), which keeps a draft whose distribution barely moved."""
     verifier_options("scd-mc", ctx.options)
     _needs_sampled("scd-mc", ctx.tree)
+    return _jacobi_walk(ctx, generator)
+
+
+def _jacobi_walk(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
+    """A Jacobi window's exact walk: all levels at once on a chain of i.i.d. drafts (walk_chain), else level by
+    level (walk_sampled)."""
+    shape = ctx.tree.shape
+    if ctx.tree.sampled == "iid" and shape is not None and all(len(lv.groups) == 1 and lv.width == 1
+                                                                 for lv in shape.levels):
+        return walk_chain(ctx, generator)
     return walk_sampled(ctx, generator)
 
 
