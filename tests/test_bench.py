@@ -73,16 +73,22 @@ def test_sampling_bench_report_and_markdown():
 def test_compiled_rows_beside_the_eager_ones():
     """bench_spec.compiled: the named methods and vanilla also run with compiled forwards, in the same passes; each
     mode's speedup is against its own vanilla; the graphs compile in the warm-up (a compile time per method)."""
-    report = run_bench(SamplingConfig(temperature=0.0, cfg_scale=2.0), compiled=["exact-chain", "sjd"])
+    report = run_bench(SamplingConfig(temperature=0.0, cfg_scale=2.0), compiled=["exact-chain", "sjd", "greedy-auto"])
     rows = {c["name"]: c for c in report["compiled"]}
-    assert list(rows) == ["vanilla", "exact-chain", "sjd"] and rows["vanilla"]["speedup"] == 1.0
+    assert list(rows) == ["vanilla", "exact-chain", "greedy-auto", "sjd"] and rows["vanilla"]["speedup"] == 1.0
     assert rows["vanilla"]["compile_s"] > 0 and all(r["ms_per_image"] > 0 for r in rows.values())
     # greedy: the compiled loops accept what the eager ones do
     assert rows["exact-chain"]["tau"] == rows["exact-chain"]["eager_tau"] and rows["sjd"]["tau"] > 1.0
     # each compiled loop against the compiled bare forwards its rounds make (timed in the same passes)
     assert all(r["limit_ms_per_forward"] > 0 and r["loop_to_limit"] > 0 for r in rows.values())
+    # an auto tree is priced in the mode that runs it: the compiled row records its own choice and tree, and (greedy)
+    # still emits vanilla's tokens
+    auto = rows["greedy-auto"]["auto"]
+    assert auto["speedup"] > 0 and rows["greedy-auto"]["tree_desc"]
+    assert f"depth {auto['depth']}" in rows["greedy-auto"]["tree_desc"] or "chain" in rows["greedy-auto"]["tree_desc"]
     md = speculative_markdown(report, "micro")
     assert "Eager and compiled, side by side" in md and "| exact-chain |" in md
+    assert "greedy-auto compiled: tree auto priced with compiled costs: " in md
     with pytest.raises(ValueError, match="not methods of this bench"):
         run_bench(SamplingConfig(temperature=0.0), compiled=["nope"])
 

@@ -105,3 +105,20 @@ def test_committed_fashion_points_separate_the_control_and_not_vanilla_seeds():
             assert all(compare.overlaps(a[k], b[k]) for k in a), {k: (a[k], b[k]) for k in a}
     for k in ("fid", "judge_fd"):
         assert all(not compare.overlaps(control[k], s[k]) for s in seeds), (k, control[k], [s[k] for s in seeds])
+
+
+def test_cached_decodes_are_keyed_by_the_decoding_code(tmp_path):
+    """A sweep / quality point reuses a cached decode only if lisa/decoding and lisa/models are unchanged."""
+    from lisa.stages.scoreboard import decode_code
+    for d, name in (("decoding", "verify.py"), ("models", "gpt.py"), ("stages", "render.py")):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / name).write_text("x = 1\n")
+    before = decode_code(tmp_path)
+    (tmp_path / "stages" / "render.py").write_text("x = 2\n")  # not decoding code
+    assert decode_code.__wrapped__(tmp_path) == before
+    (tmp_path / "decoding" / "verify.py").write_text("x = 2\n")
+    assert decode_code.__wrapped__(tmp_path) != before
+    (tmp_path / "decoding" / "verify.py").write_text("x = 1\n")
+    (tmp_path / "models" / "lumina.py").write_text("")  # a new module counts too
+    assert decode_code.__wrapped__(tmp_path) != before
+    assert len(decode_code()) == 12 and decode_code() == decode_code(None)

@@ -224,19 +224,25 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
     def drafter_of(m):
         return drafters.get(getattr(m, "drafter", "release"))
 
-    choices, picked = {}, {}  # (verifier, knobs) -> costmodel.Choice; method name -> its Choice
-    methods = list(methods)
+    # (verifier, knobs, mode) -> costmodel.Choice; method name -> its Choice, eager and compiled (an auto tree is
+    # priced in the mode that runs it: the compiled row may draft another tree)
+    choices, picked, cpicked = {}, {}, {}
+    methods, cmethods = list(methods), {}
     for i, m in enumerate(methods):
         if m.tree == "auto":
-            key = (m.method, tuple(sorted(m.options.items())), m.top_k_draft, getattr(m, "drafter", "release"),
-                   m.draft, m.siblings)
-            if key not in choices:
-                choices[key] = auto_tree(target, drafter_of(m), conditions[: auto.calib_conditions], m, sampling, seed,
-                                         geometry, auto, progress)
-            picked[m.name] = choices[key]
-            methods[i] = resolve_auto(m, choices[key])
+            for mode in ("eager", "compiled") if m.name in set(compiled) else ("eager",):
+                key = (m.method, tuple(sorted(m.options.items())), m.top_k_draft, getattr(m, "drafter", "release"),
+                       m.draft, m.siblings, mode)
+                if key not in choices:
+                    choices[key] = auto_tree(target, drafter_of(m), conditions[: auto.calib_conditions], m, sampling,
+                                             seed, geometry, auto, progress, compile=mode == "compiled")
+                (picked if mode == "eager" else cpicked)[m.name] = choices[key]
+            if m.name in cpicked:
+                cmethods[m.name] = resolve_auto(m, cpicked[m.name])
+            methods[i] = resolve_auto(m, picked[m.name])
 
     decoders = {m.name: m.decoder(target, drafter_of(m), geometry) for m in methods}
+    methods_by = {m.name: m for m in methods}
     names = [m.name for m in methods]
     unknown = sorted(set(compiled) - set(names))
     if unknown:
@@ -245,7 +251,8 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
     if compiled and vanilla is None:
         raise ValueError("bench_spec.compiled needs a vanilla method: compiled rows are timed against compiled vanilla")
     compiled = [n for n in names if n in set(compiled) | ({vanilla} if compiled else set())]
-    cdecoders = {m.name: m.decoder(target, drafter_of(m), geometry, compile=True) for m in methods if m.name in compiled}
+    cmethods = {m.name: cmethods.get(m.name, m) for m in methods if m.name in compiled}  # what each compiled row runs
+    cdecoders = {n: cm.decoder(target, drafter_of(cm), geometry, compile=True) for n, cm in cmethods.items()}
     entries = [(m, "eager") for m in methods] + [(m, "compiled") for m in methods if m.name in compiled]
     runs = {(m.name, mode): [] for m, mode in entries}  # per (pass >= warmup, condition): time and stats
     first_call = {}  # compiled: the wall time of each method's first call (its graphs compile there)
@@ -290,9 +297,14 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
         widths = {m.name: (getattr(m, "drafter", "release"), max(1, math.ceil(m.spec().drafted_pairs / calls[m.name])))
                   for m in methods if m.drafts_tree and drafter_of(m) is not None and calls[m.name] > 0}
         bare_d = {w: [] for w in set(widths.values())}
-        # compiled: the same bare forwards under torch.compile (the compiled loops' limit); first calls compile here
-        csizes = sorted({forward_size(m) for m in methods if m.name in compiled})
-        cwidths = {widths[n] for n in compiled if n in widths}
+        # compiled: the same bare forwards under torch.compile (the compiled loops' limit); first calls compile here.
+        # A compiled row that drafts another tree than its eager one (auto) makes a drafter call per level
+        ccalls = {n: calls[n] if cm.spec() == methods_by[n].spec() else float(cm.spec().max_depth)
+                  for n, cm in cmethods.items() if cm.drafts_tree}
+        cwidth_of = {n: (getattr(cm, "drafter", "release"), max(1, math.ceil(cm.spec().drafted_pairs / ccalls[n])))
+                     for n, cm in cmethods.items() if n in ccalls and drafter_of(cm) is not None and ccalls[n] > 0}
+        csizes = sorted({forward_size(cm) for cm in cmethods.values()})
+        cwidths = set(cwidth_of.values())
         cbare_t, cbare_d = {s: [] for s in csizes}, {w: [] for w in cwidths}
         for s in csizes:
             costmodel.time_target_forward(compiled_model(target), rows, s, context, reps=1)
@@ -300,12 +312,14 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
             costmodel.time_drafter_forward(compiled_model(drafters[which]), rows, w, context, reps=1)
         for r in range(warmup, warmup + repeats):
             timed_pass(r)
-            for s in sizes:
-                bare_t[s].append(costmodel.time_target_forward(target, rows, s, context, reps=3))
+            for s in sorted(set(sizes) | set(csizes)):
+                if s in bare_t:
+                    bare_t[s].append(costmodel.time_target_forward(target, rows, s, context, reps=3))
                 if s in cbare_t:
                     cbare_t[s].append(costmodel.time_target_forward(compiled_model(target), rows, s, context, reps=3))
-            for which, w in bare_d:
-                bare_d[which, w].append(costmodel.time_drafter_forward(drafters[which], rows, w, context, reps=3))
+            for which, w in sorted(set(bare_d) | set(cbare_d)):
+                if (which, w) in bare_d:
+                    bare_d[which, w].append(costmodel.time_drafter_forward(drafters[which], rows, w, context, reps=3))
                 if (which, w) in cbare_d:
                     cbare_d[which, w].append(costmodel.time_drafter_forward(compiled_model(drafters[which]), rows, w,
                                                                             context, reps=3))
@@ -394,18 +408,20 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
             "bare_forward_ms_all": {int(s): [1000 * x for x in v] for s, v in bare_t.items()},
             "methods": report_methods, "per_condition": per_condition,
             "compiled": compiled_rows(runs, report_methods, first_call, images, repeats, vanilla, {
-                m.name: statistics.median(cbare_t[forward_size(m)]) + (
-                    calls[m.name] * statistics.median(cbare_d[widths[m.name]]) if m.name in widths else 0.0)
-                for m in methods if m.name in compiled}),
+                n: statistics.median(cbare_t[forward_size(cm)]) + (
+                    ccalls[n] * statistics.median(cbare_d[cwidth_of[n]]) if n in cwidth_of else 0.0)
+                for n, cm in cmethods.items()}, {n: (cm.spec().describe(), cpicked[n].as_dict())
+                                                 for n, cm in cmethods.items() if n in cpicked}),
             "throughput": tput}
 
 
 def compiled_rows(runs: dict, eager: list[dict], first_call: dict, images: int, repeats: int,
-                  vanilla: Optional[str], limit: Optional[dict] = None) -> list[dict]:
+                  vanilla: Optional[str], limit: Optional[dict] = None, auto: Optional[dict] = None) -> list[dict]:
     """Per method timed compiled too: ms per image eager and compiled (the same interleaved passes), each mode's
     speedup against its own vanilla (never across modes), compiled over eager, tau, the compile time (its first
     call less a timed call of the same condition), and the compiled loop's time per target forward against its
-    limit (limit: method -> seconds of the compiled bare forwards a round makes, as for the eager rows)."""
+    limit (limit: method -> seconds of the compiled bare forwards a round makes, as for the eager rows). auto:
+    method -> (its compiled tree, the cost model's choice priced with compiled costs), for tree "auto"."""
     if not any(mode == "compiled" for _, mode in runs):
         return []
     def per_image(name, mode):
@@ -430,7 +446,9 @@ def compiled_rows(runs: dict, eager: list[dict], first_call: dict, images: int, 
                     "ms_per_image": ms, "speedup": base / ms, "compiled_over_eager": e["ms_per_image"] / ms,
                     "tau": sum(lengths) / len(lengths), "eager_tau": e["tau"], "compile_s": max(first - steady, 0.0),
                     "ms_per_image_all": [1000 * sum(x["wall_s"] for x in rs if x["pass"] == p) / images
-                                         for p in range(repeats)]})
+                                         for p in range(repeats)]}
+                   | ({"tree_desc": auto[e["name"]][0], "auto": auto[e["name"]][1]} if e["name"] in (auto or {})
+                      else {}))
     return out
 
 
@@ -485,12 +503,15 @@ def bench_throughput(target: Transformer, drafter_of: Callable, methods: list, c
 
 
 def auto_tree(target: Transformer, drafter, conditions: list[dict], m, sampling: SamplingConfig, seed: int,
-              geometry, auto, progress: bool = True):
+              geometry, auto, progress: bool = True, compile: bool = False):
     """Resolve tree "auto" for method m: decode `conditions` with vanilla, with the full top-k calibration tree and
     the widest sampled tree (traced: acceptance) and with a small tree (loop costs), time bare forwards, and pick
     the draft policy and tree of highest predicted speedup (lisa.decoding.costmodel.choose). m.draft "sample"
-    restricts the choice to sampled trees."""
+    restricts the choice to sampled trees. compile: priced in the mode that will run it, the loops and the bare
+    forwards under torch.compile (lisa.decoding.generate.compiled; each forward shape compiles on its first call,
+    which the timings skip)."""
     device = next(target.parameters()).device
+    fwd_target, fwd_drafter = (compiled_model(target), compiled_model(drafter)) if compile else (target, drafter)
     rows = (2 if sampling.use_cfg else 1) * conditions[0]["cond"].shape[0]
     k, D = m.top_k_draft, auto.max_depth
     full = k + (D - 1) * k * k  # every node a depth-D dynamic tree drafts
@@ -503,11 +524,12 @@ def auto_tree(target: Transformer, drafter, conditions: list[dict], m, sampling:
     traces = {"topk": [], "sample": []}
     timed, vanilla_steps = [], []
     runs = [(r, ci, c) for r in range(2) for ci, c in enumerate(conditions)]  # pass 0 warms up
-    for r, ci, c in tqdm(runs, desc=f"auto tree ({m.method})", unit="run", disable=not progress):
+    mode = " compiled" if compile else ""
+    for r, ci, c in tqdm(runs, desc=f"auto tree ({m.method}{mode})", unit="run", disable=not progress):
         gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + ci)
         sync(device)
         t0 = time.perf_counter()
-        generate(target, c["cond"], sampling, gen, cond_mask=c.get("cond_mask"))
+        generate(target, c["cond"], sampling, gen, cond_mask=c.get("cond_mask"), compile=compile)
         sync(device)
         if r:
             vanilla_steps.append((time.perf_counter() - t0) / target.config.block_size)
@@ -518,13 +540,14 @@ def auto_tree(target: Transformer, drafter, conditions: list[dict], m, sampling:
             t0 = time.perf_counter()
             _, stats = speculative_generate(target, drafter, c["cond"], sampling, spec, gen,
                                             cond_mask=c.get("cond_mask"), geometry=geometry,
-                                            options=m.verifier_options(), trace=rounds if traced and r else None)
+                                            options=m.verifier_options(), trace=rounds if traced and r else None,
+                                            compile=compile)
             sync(device)
             if r:
                 timed.append((spec, (time.perf_counter() - t0) / stats["rounds"], stats["tau"]))
                 if traced:
                     traces[traced] += rounds
-    costs = costmodel.measure_costs(target, drafter, rows, auto.sizes + [full, widest.nodes], k,
+    costs = costmodel.measure_costs(fwd_target, fwd_drafter, rows, auto.sizes + [full, widest.nodes], k,
                                     target.config.cls_token_num + target.config.block_size // 2, auto.reps)
     costs.vanilla_step_s = statistics.median(vanilla_steps)
     # the rest of a round: its wall time less the bare forwards it makes (drafting, verification, bookkeeping,
@@ -594,6 +617,12 @@ def speculative_markdown(report: dict, title: str) -> str:
             lines.append(f"| {c['name']} | {c['eager_ms_per_image']:.1f} | {c['eager_speedup']:.2f}x | "
                          f"{c['ms_per_image']:.1f} | {c['speedup']:.2f}x | {c['compiled_over_eager']:.2f} | "
                          f"{c['eager_tau']:.2f}, {c['tau']:.2f} | {c['compile_s']:.0f} | {ratio} |")
+        eager_tree = {m["name"]: m["tree_desc"] for m in report["methods"]}
+        for c in report["compiled"]:
+            if c.get("auto"):
+                same = "the same tree as eager" if c["tree_desc"] == eager_tree.get(c["name"]) else \
+                    f"eager: {eager_tree.get(c['name'])}"
+                lines += ["", f"{c['name']} compiled: tree auto priced with compiled costs: {c['tree_desc']} ({same})."]
     tp = report.get("throughput")
     if tp:
         lines += ["", f"Throughput: images per second decoding a batch of b images in one call (each row accepts its "

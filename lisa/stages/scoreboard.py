@@ -3,7 +3,8 @@
 - `sweep` (per world and family of params scoreboard.families): every point of the family's knob grid decodes the
   same `sweep_images` conditions with the same seeds and measures tau and the per-token TV between the law each
   token was drawn from and the target's (`measure=True`; 0 for a lossless method) -> <family>.json. Points are
-  cached one by one (data/work/scoreboard/<world>/sweep): a killed run resumes at the next point.
+  cached one by one (data/work/scoreboard/<world>/sweep, keyed by everything the decode reads, the decoding code
+  included): a killed run resumes at the next point.
 - `quality-point` (per world and point of scoreboard.points): a family at a TV budget (its highest-tau sweep point
   whose TV is within it) decodes `num_samples` images, scored against the held-out reference with bootstrap 95%
   intervals (lisa.quality.compare: Inception FID / KID / precision / recall, the judge-space FD / KID, the judge's
@@ -16,6 +17,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from dataclasses import asdict, replace
@@ -46,11 +48,24 @@ def _table(p: ScoreboardParams, batch_size: int) -> TableParams:
     return TableParams(seed=p.seed, batch_size=batch_size, compile=False)
 
 
+@functools.cache
+def decode_code(root: Optional[Path] = None) -> str:
+    """A hash of the source that turns a method into tokens (every module of lisa/decoding and lisa/models under
+    root, default this package): a decode cached by older code is never reused, e.g. after a change to how a
+    method draws its randomness."""
+    root = Path(root or Path(__file__).resolve().parents[1])
+    h = hashlib.sha256()
+    for f in sorted([*(root / "decoding").glob("*.py"), *(root / "models").glob("*.py")]):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def _recipe(s, m, drafters, geometry, world: WorldParams, extra) -> list:
-    """What a cached decode depends on: the target, tokenizer, method, drafters, calibration and settings."""
+    """What a cached decode depends on: the target, tokenizer, method, drafters, calibration, settings and the
+    decoding code."""
     return [s.target_meta["sha256"], s.vq_meta["sha256"], asdict(m), {k: meta["sha256"] for k, (_, meta) in
                                                                       drafters.items()},
-            calibration_sha(geometry), world.sampling or {}, extra]
+            calibration_sha(geometry), world.sampling or {}, extra, decode_code()]
 
 
 def sweep(world: WorldParams, family: str, p: ScoreboardParams, paths: WorldPaths) -> dict:
