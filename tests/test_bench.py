@@ -76,7 +76,10 @@ def test_compiled_rows_beside_the_eager_ones():
     report = run_bench(SamplingConfig(temperature=0.0, cfg_scale=2.0), compiled=["exact-chain", "sjd", "greedy-auto"])
     rows = {c["name"]: c for c in report["compiled"]}
     assert list(rows) == ["vanilla", "exact-chain", "greedy-auto", "sjd"] and rows["vanilla"]["speedup"] == 1.0
-    assert rows["vanilla"]["compile_s"] > 0 and all(r["ms_per_image"] > 0 for r in rows.values())
+    # the first timed call compiles what nothing compiled before: vanilla's graphs were built while pricing
+    # greedy-auto in compiled mode (its calibration decodes run compiled vanilla), exact-chain's cache shapes were not
+    assert rows["exact-chain"]["compile_s"] > 0 and all(r["compile_s"] >= 0 for r in rows.values())
+    assert all(r["ms_per_image"] > 0 for r in rows.values())
     # greedy: the compiled loops accept what the eager ones do
     assert rows["exact-chain"]["tau"] == rows["exact-chain"]["eager_tau"] and rows["sjd"]["tau"] > 1.0
     # each compiled loop against the compiled bare forwards its rounds make (timed in the same passes)
