@@ -414,8 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--status", default=None, help="a file holding the output of `dvc status --json` (default: run it)")
     s.add_argument("--lock", default="dvc.lock")
     s.add_argument("--check-deps", action="store_true",
-                   help="instead: check that each dvc.yaml stage (beside --lock) lists as code deps the lisa/*.py files "
-                   "its function imports, no more and no fewer; one line per problem, exit status 2 if any")
+                   help="instead: check that each dvc.yaml stage (beside --lock) lists as code deps the lisa/*.py "
+                   "files its function imports, no more and no fewer; one line per problem, exit status 2 if any")
     s.set_defaults(fn=cmd_plan)
     p = sub.add_parser("profile", help="print a named params profile (micro, real) to stdout, or make it a "
                        "workspace of its own (--workspace) so that its runs never touch this checkout's releases")

@@ -2,22 +2,26 @@
 
 For each dvc.yaml stage (its command `lisa <stage>`), `stage_files` walks the code of the stage's function (the one
 lisa.stages.STAGES maps the name to, as run_stage does) with `ast`, and `check` compares the lisa/*.py files it
-reaches with the stage's deps under lisa/ (a folder dep covers the .py files in it). The walk:
-- From the stage's function, per function: lisa/stages/*.py and lisa/config.py are shared by many stages, so only
-  the functions, classes and module-level names a stage's function uses, transitively, count, and the imports
-  (module-level or inside a function) that they use. A class counts whole (all its methods).
-- The methods of the params objects (the classes of lisa/config.py), which a stage reaches through attributes
-  (`world.gpt_config()`, `m.decoder(...)`), are found by name: an attribute read in walked code reaches the
-  config.py methods / properties of that name.
-- Every other module of lisa/ counts whole: once reached, all its imports (module-level or inside a function) are
-  followed, transitively. Relative imports are resolved; modules outside lisa/ are not followed.
+reaches with the stage's deps under lisa/ (a folder dep stands for the .py files in it). The walk goes by name, per
+function rather than per module, since one module holds several stages (lisa/stages/drafter.py: six) and shared
+modules (lisa/stages/common.py, lisa/data/corpus.py) import for some of their functions only:
+- From the stage's function, the names its code uses are resolved in its module: a function, class or module-level
+  name there is walked in turn; an imported name (module-level or inside the function, relative imports resolved)
+  leads to the function, class or name it imports, or to a module, whose names read as attributes are walked. A
+  module's file counts when one of its names is walked. Modules outside lisa/ are not followed.
+- A class brings its class-level code, its dunder and decorated methods (constructor, properties, validators), and
+  the methods named by any attribute read in walked code (not counting `self.x` outside the class's module). The
+  params' classes (lisa/config.py) count as used by every stage: `world.gpt_config()` and `m.decoder(...)` reach
+  their methods by name.
 - lisa/config.py and lisa/stages/paths.py are deps of every stage: run_stage loads the params and builds the paths
-  of each call. The params' loading itself (its validators, which check names against the decoding registry and
-  the model presets) is not walked: it is the same for every stage.
-- Package __init__.py files are never deps: in lisa/ they hold a docstring and re-exports only (a test pins it),
-  and lisa/stages/__init__.py, the dispatcher, is the way into every stage, like lisa/cli.py.
-Annotations are not followed (the modules use `from __future__ import annotations`). Non-Python deps (data files)
-are out of scope.
+  of each call. Loading the params (validators that check names against the decoding registry and the model
+  presets) is the same for every stage and is not walked.
+- Package __init__.py files are never deps: in lisa/ they hold a docstring and re-exports only, and
+  lisa/stages/__init__.py, the dispatcher, is the way into every stage, like lisa/cli.py. No module of lisa/ runs
+  top-level code beyond definitions and imports (which a walk by name would miss): tests/test_stage_deps.py pins both.
+Annotations are not followed (the modules use `from __future__ import annotations`); calls through a value whose
+class the walk never met by name (a callback) are found only through the attribute names read. Non-Python deps (data
+files) are out of scope.
 """
 from __future__ import annotations
 
