@@ -1,7 +1,7 @@
 # Two commands set everything up on a fresh machine (Debian packages, a virtual environment, the Python stack):
 #   make run    the main job: the whole pipeline (dvc repro) on params.yaml, on the CPU; it prints first what
 #               it will run and reuse (lisa plan) and how long that takes
-#   make test   the test suite
+#   make test   the test suite (first: dvc.yaml's code deps against the stages' imports, lisa plan --check-deps)
 # Plus: make setup (only the set-up), make bench, make clean-venv.
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
@@ -24,6 +24,7 @@ run: setup
 	@echo "Done: sample grids in reports/samples/*/grid.png, quality in reports/quality/, speculative decoding in reports/bench/<world>.md"
 
 test: setup
+	$(BIN)/lisa plan --check-deps
 	$(BIN)/python -m pytest -q -n auto
 
 bench: setup

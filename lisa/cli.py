@@ -126,6 +126,16 @@ def cmd_plan(a):
 
     from lisa.stages.plan import main as plan
 
+    if a.check_deps:
+        from lisa.stages.deps import main as check_deps
+
+        problems = check_deps(Path(a.lock).parent / "dvc.yaml")
+        sys.stdout.write("".join(line + "\n" for line in problems))
+        if problems:
+            raise ValueError(f"{len(problems)} code deps of dvc.yaml disagree with what the stages import "
+                             "(lisa/stages/deps.py says how they are walked)")
+        print("dvc.yaml's code deps are the lisa files each stage's function imports")
+        return None
     with tempfile.TemporaryDirectory() as tmp:
         status = a.status or _dvc_status(a.lock, f"{tmp}/status.json")
         sys.stdout.write("".join(line + "\n" for line in plan(status, a.lock)))
@@ -403,6 +413,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "--json` in the lock's folder, or reads its output from --status)")
     s.add_argument("--status", default=None, help="a file holding the output of `dvc status --json` (default: run it)")
     s.add_argument("--lock", default="dvc.lock")
+    s.add_argument("--check-deps", action="store_true",
+                   help="instead: check that each dvc.yaml stage (beside --lock) lists as code deps the lisa/*.py "
+                   "files its function imports, no more and no fewer; one line per problem, exit status 2 if any")
     s.set_defaults(fn=cmd_plan)
     p = sub.add_parser("profile", help="print a named params profile (micro, real) to stdout, or make it a "
                        "workspace of its own (--workspace) so that its runs never touch this checkout's releases")
