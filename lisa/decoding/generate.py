@@ -28,8 +28,9 @@ from lisa.models.gpt import GPTOutput, Transformer
 from lisa.decoding import jacobi, verify
 from lisa.decoding.fused import fused
 from lisa.decoding.grammar import Grammar
-from lisa.decoding.sampling import SamplingConfig, cfg_logits, logits_to_probs, sample, sample_from
-from lisa.decoding.tree import branching_choices, chain, dynamic_tree, sampled_tree, static_choices, static_tree
+from lisa.decoding.sampling import SamplingConfig, cfg_logits, filtered, logits_to_probs, sample, sample_from
+from lisa.decoding.tree import (Shape, branching_choices, chain, dynamic_tree, sampled_tree, static_choices,
+                                static_tree, tree_shape)
 
 
 def compiled(model: Optional[torch.nn.Module]) -> Optional[torch.nn.Module]:
@@ -505,17 +506,31 @@ def tree_forward(target: Transformer, root: Tensor, tree, base: Tensor, key_mask
     Lt = target.cache_length
     slots = base[:, None] + torch.arange(N + 1, device=dev)  # (B, S)
     mask = (torch.arange(Lt, device=dev)[None, None, :] < base[:, None, None]).expand(B, N + 1, Lt).clone()
-    window = torch.zeros(B, N + 1, N + 1, dtype=torch.bool, device=dev)  # over slots base .. base + N
-    window[:, :, 0] = True  # everyone sees the root
-    window[:, 1:, 1:] = tree.ancestor_mask()  # node i sees its ancestors
-    mask.scatter_(2, slots[:, None, :].expand(B, N + 1, N + 1), window)
-    depth = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), tree.depth], 1)
+    window, depth = (_window(tree.shape) if tree.shape is not None else
+                     _window_of(tree.ancestor_mask(), tree.depth))  # (B|1, N + 1, N + 1) over slots base .. base + N
+    mask.scatter_(2, slots[:, None, :].expand(B, N + 1, N + 1), window.expand(B, N + 1, N + 1))
     rope = (base[:, None] + depth).clamp(max=target.rope.shape[0] - 1)
     x = target.embed_tokens(_dup(torch.cat([root[:, None], tree.tokens], 1), use_cfg))
     mask = _dup(mask, use_cfg)
     if key_mask is not None:  # per row: the unconditional rows of an lm target mask their whole prompt
         mask &= key_mask[:, None, :]
     return target(x, _dup(slots, use_cfg), mask=mask, rope_pos=_dup(rope, use_cfg), taps=taps)
+
+
+def _window_of(ancestors: Tensor, depth: Tensor) -> tuple[Tensor, Tensor]:
+    """A tree forward's attention window over [root, nodes] from the nodes' ancestor mask (B, N, N) and depths
+    (B, N): everyone sees the root, a node its ancestors and itself; and the depths with the root's 0 first."""
+    B, N = depth.shape
+    window = torch.zeros(B, N + 1, N + 1, dtype=torch.bool, device=depth.device)
+    window[:, :, 0] = True
+    window[:, 1:, 1:] = ancestors
+    return window, torch.cat([torch.zeros_like(depth[:, :1]), depth], 1)
+
+
+@functools.lru_cache(maxsize=64)
+def _window(shape: Shape) -> tuple[Tensor, Tensor]:
+    """`_window_of` a fixed shape, built once: (1, N + 1, N + 1), (1, N + 1)."""
+    return _window_of(shape.ancestors[None], shape.depth[None])
 
 
 def draft(drafter, b: Batch, root: tuple[Tensor, Tensor], n: Tensor, spec: SpecConfig, sampling: SamplingConfig,
@@ -553,6 +568,8 @@ def _sampled_logq(logits: Tensor, pos: Tensor, sampling: SamplingConfig, grammar
     drafter instead (any q is exact, if it is the one drawn from)."""
     g = guided(logits, sampling)
     logq = grammar.log_probs(logits_to_probs(g, sampling.temperature, sampling.top_k, sampling.top_p).log(), pos)
+    if grammar.forced is None and not filtered(sampling, logits.shape[-1]):  # every id keeps mass: never empty
+        return logq.log_softmax(-1)
     empty = torch.isinf(logq.amax(-1, keepdim=True))
     return torch.where(empty, grammar.log_probs(g.log_softmax(-1), pos), logq).log_softmax(-1)
 
@@ -561,7 +578,17 @@ def _draft_tree(drafter, b: Batch, root_logp, root_hidden, n, spec: SpecConfig, 
                 generator: Optional[torch.Generator] = None, fuse: bool = False):
     """EAGLE-2/3 dynamic tree, a static one, or a sampled one: expansions are drafter pairs written after the
     committed ones (slots n, n + 1, ... in expansion order) that see the committed pairs and their own ancestors'
-    pairs (`_expansion`, one drafter forward per level; fused under torch.compile when `fuse`)."""
+    pairs, one drafter forward per level. A tree whose shape is fixed before drafting (sampled, static) takes the
+    shape's expansion plan (`_fixed_expander`); a dynamic one builds each node's mask row as it goes
+    (`_expansion`; fused under torch.compile when `fuse`)."""
+    if spec.draft == "sample" or spec.tree == "static":
+        choices = spec.choices() if spec.draft == "sample" else static_choices(spec.depth, spec.top_k_draft,
+                                                                                spec.total_tokens)
+        expand = _fixed_expander(drafter, b, tree_shape(choices, root_logp.device), root_hidden, n, sampling,
+                                 spec.draft, fuse)
+        if spec.draft == "sample":
+            return sampled_tree(root_logp, expand, choices, spec.siblings, generator)
+        return static_tree(root_logp, expand, choices)
     step = fused(_expansion, fuse)
     B, dev = root_logp.shape[0], root_logp.device
     Ld, H = drafter.cache_length, root_hidden.shape[-1]
@@ -578,11 +605,73 @@ def _draft_tree(drafter, b: Batch, root_logp, root_hidden, n, spec: SpecConfig, 
         state["used"] += pick.shape[1]
         return logq
 
-    if spec.draft == "sample":
-        return sampled_tree(root_logp, expand, spec.choices(), spec.siblings, generator)
-    if spec.tree == "static":
-        return static_tree(root_logp, expand, static_choices(spec.depth, spec.top_k_draft, spec.total_tokens))
     return dynamic_tree(root_logp, expand, spec.depth, spec.top_k_draft, spec.total_tokens)
+
+
+@dataclass(frozen=True, eq=False)
+class _Step:
+    """One drafter forward of a fixed-shape tree's drafting: the level's nodes that have children (`nodes`, the
+    `pick` sampled_tree / static_tree pass), their pairs at offsets `slots` after the committed ones, the offsets
+    each one's drafter query sees besides the committed pairs (`seen` (k, depth): its ancestors' pairs and its own),
+    and where its input hidden state comes from (`src`: its parent's position in the previous step's pick; None:
+    the root's children, which read the round's root hidden state)."""
+    nodes: Tensor  # (k,)
+    slots: Tensor  # (k,)
+    seen: Tensor  # (k, depth)
+    src: Optional[Tensor]  # (k,)
+    depth: int  # of the picked nodes
+
+
+@functools.lru_cache(maxsize=64)
+def _expansion_plan(shape: Shape) -> tuple[_Step, ...]:
+    """The drafter forwards of a fixed shape, built once per shape (a Shape is itself built once per paths and
+    device): the same masks, inputs and slots as `_expansion` builds node by node, as static indices."""
+    parents, dev = shape.parents.tolist(), shape.parents.device
+    steps, placed, used = [], {}, 0  # placed: node -> (its position in its step's pick, its pair's offset)
+    for lv in shape.levels[1:]:
+        pick = lv.parents.tolist()
+        seen = []
+        for j, x in enumerate(pick):
+            up, y = [], parents[x]
+            while y >= 0:  # every ancestor has children, so an earlier step drafted its pair
+                up.append(placed[y][1])
+                y = parents[y]
+            seen.append(up[::-1] + [used + j])
+        src = [placed[parents[x]][0] if parents[x] >= 0 else -1 for x in pick]
+        steps.append(_Step(lv.parents, torch.arange(used, used + len(pick), device=dev),
+                           torch.tensor(seen, device=dev), torch.tensor(src, device=dev) if src[0] >= 0 else None,
+                           len(seen[0])))
+        placed |= {x: (j, used + j) for j, x in enumerate(pick)}
+        used += len(pick)
+    return tuple(steps)
+
+
+def _fixed_expander(drafter, b: Batch, shape: Shape, root_hidden: Tensor, n: Tensor, sampling: SamplingConfig,
+                    policy: str, fuse: bool = False) -> Callable[[object, Tensor], Tensor]:
+    """`expand(tree, pick)` for a tree of fixed `shape` (sampled_tree / static_tree call it level by level with
+    the level's parents as pick): one drafter forward over the picked nodes (`_expansion_plan`), whose queries see
+    the committed pairs (slots < n (B,)) and their ancestors' pairs; the root's children read root_hidden
+    (GB, 1, H), deeper nodes their parent's output hidden state. Returns their log-distributions (B, k, V) under
+    the draft policy. The same drafter inputs as `_expansion`, without building a mask row per node."""
+    plan, hidden = _expansion_plan(shape), []
+    B, Ld = n.shape[0], drafter.cache_length
+    committed = torch.arange(Ld, device=n.device)[None, None, :] < n[:, None, None]  # (B, 1, Ld)
+    dist = _draft_dist(sampling, b.grammar, policy, fuse)
+
+    def expand(tree, pick):
+        st = plan[len(hidden)]
+        k = st.slots.shape[0]
+        mask = committed.expand(B, k, Ld).clone()
+        mask.scatter_(2, n[:, None, None] + st.seen, True)  # (B, k, Ld)
+        mask[:, :, Ld - 1] = False  # the junk slot is never attended
+        in_hid = root_hidden.expand(-1, k, -1) if st.src is None else hidden[-1][:, st.src]  # (GB, k, H)
+        at = (n[:, None] + st.depth).expand(B, k)  # (B, k) the sequence position each picked node predicts
+        out = drafter(b.dup(tree.tokens[:, st.nodes]), in_hid, input_pos=b.dup(n[:, None] + st.slots),
+                      mask=b.dup(mask), rope_pos=b.dup((b.C - 1 + at).clamp(max=b.max_pos)))
+        hidden.append(out.hidden)
+        return dist(out.logits, at)
+
+    return expand
 
 
 def _expansion(drafter, tokens: Tensor, parents: Tensor, depth: Tensor, pick: Tensor, rows: Tensor, hid: Tensor,

@@ -58,12 +58,18 @@ def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
     return logits
 
 
+def filtered(cfg: SamplingConfig, vocab_size: int) -> bool:
+    """Whether top-k / top-p remove any token (what `filter_logits` does with these settings)."""
+    return 0 < cfg.top_k < vocab_size or cfg.top_p < 1.0
+
+
 def logits_to_probs(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Tensor:
     """Guided logits (..., V) -> the sampling distribution (..., V) in fp32. Temperature 0: one-hot argmax."""
     logits = logits.float()
     if temperature == 0:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    return torch.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)
+    logits = logits / temperature if temperature != 1 else logits  # x / 1 is x: one op fewer per draw
+    return torch.softmax(filter_logits(logits, top_k, top_p), dim=-1)
 
 
 def sample_from(probs: Tensor, generator: Optional[torch.Generator] = None) -> Tensor:

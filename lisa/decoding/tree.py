@@ -102,6 +102,8 @@ class Level:
     width: int  # most children of one parent on this level
     built: int  # nodes on the earlier levels (the arrays' prefix before this level)
     groups: tuple[list[int], ...]  # per parent in `parents`: its children's node indices, in node order (host)
+    rows: Tensor  # (P,) parents + 1: the parents' rows of a tree's q (row 0 = the root)
+    up: Tensor  # (n,) each node's parent node index (parents[j])
 
 
 @dataclass(frozen=True, eq=False)
@@ -137,12 +139,14 @@ def _tree_shape(paths: tuple[tuple[int, ...], ...], device: str) -> Shape:
         nodes = [p for p in paths if len(p) == d]
         parent_paths = sorted({p[:-1] for p in nodes}, key=lambda p: index.get(p, -1))
         at = {pp: j for j, pp in enumerate(parent_paths)}
-        levels.append(Level(torch.tensor([index[p] for p in nodes], device=device),
-                            torch.tensor([index.get(pp, -1) for pp in parent_paths], device=device),
+        up = [index.get(pp, -1) for pp in parent_paths]
+        levels.append(Level(torch.tensor([index[p] for p in nodes], device=device), torch.tensor(up, device=device),
                             torch.tensor([at[p[:-1]] for p in nodes], device=device),
                             torch.tensor([p[-1] for p in nodes], device=device),
                             max(p[-1] for p in nodes) + 1, index[nodes[0]],
-                            tuple([index[p] for p in nodes if p[:-1] == pp] for pp in parent_paths)))
+                            tuple([index[p] for p in nodes if p[:-1] == pp] for pp in parent_paths),
+                            torch.tensor(up, device=device) + 1,
+                            torch.tensor([index.get(p[:-1], -1) for p in nodes], device=device)))
     widths = tuple(lv.width for lv in levels) + (0,)
     return Shape(paths, parents, depth, plain.ancestor_mask()[0], plain.children()[0], tuple(levels), widths)
 
@@ -300,6 +304,18 @@ def draw_siblings(q: Tensor, logq: Tensor, c: int, scheme: Literal["iid", "wor"]
     return (logq - e.log()).topk(c, dim=-1).indices
 
 
+@functools.lru_cache(maxsize=256)
+def _sampled_shape(choices: tuple[tuple[int, ...], ...], device: str) -> Shape:
+    """The Shape of a sampled tree's choices, checked once per (choices, device): prefix- and sibling-closed."""
+    paths = sorted({tuple(int(r) for r in p) for p in choices}, key=lambda p: (len(p), p))
+    index = {p: i for i, p in enumerate(paths)}
+    bad = [p for p in paths if (len(p) > 1 and p[:-1] not in index) or (p[-1] > 0 and p[:-1] + (p[-1] - 1,) not in index)]
+    if not paths or bad or min(min(p) for p in paths) < 0:
+        raise ValueError(f"sampled tree choices must be non-empty, non-negative, prefix- and sibling-closed; "
+                         f"offending {bad[:3]}")
+    return tree_shape(paths, device)
+
+
 def sampled_tree(root_logq: Tensor, expand: Callable[[Tree, Tensor], Tensor], choices: list[tuple[int, ...]],
                  scheme: Literal["iid", "wor"], generator: Optional[torch.Generator]) -> Tree:
     """A tree whose siblings are drawn from the drafter: root_logq (B, V) the log of the distribution the root's
@@ -307,15 +323,10 @@ def sampled_tree(root_logq: Tensor, expand: Callable[[Tree, Tensor], Tensor], ch
     picked nodes' children are drawn from. choices: sibling-index paths (branching_choices, static_choices, or a
     chain (0,), (0, 0), ...): node (2, 0) is the first child drawn for the third child drawn at the root. Prefix-
     and sibling-closed (a node (.., i) needs (.., i - 1)). scores: cumulative log q; q: every node's distribution."""
-    paths = sorted({tuple(int(r) for r in p) for p in choices}, key=lambda p: (len(p), p))
-    index = {p: i for i, p in enumerate(paths)}
-    bad = [p for p in paths if (len(p) > 1 and p[:-1] not in index) or (p[-1] > 0 and p[:-1] + (p[-1] - 1,) not in index)]
-    if not paths or bad or min(min(p) for p in paths) < 0:
-        raise ValueError(f"sampled tree choices must be non-empty, non-negative, prefix- and sibling-closed; "
-                         f"offending {bad[:3]}")
     B, V = root_logq.shape
     dev = root_logq.device
-    shape = tree_shape(paths, dev)
+    shape = _sampled_shape(tuple(map(tuple, choices)), str(dev))
+    paths = shape.paths
     N = len(paths)
     tokens = torch.zeros(B, N, dtype=torch.long, device=dev)
     scores = torch.zeros(B, N, device=dev)
@@ -330,9 +341,9 @@ def sampled_tree(root_logq: Tensor, expand: Callable[[Tree, Tensor], Tensor], ch
             logq = expand(Tree(tokens[:, :lv.built], parents[:, :lv.built], depths[:, :lv.built],
                                scores[:, :lv.built]), pick)  # (B, P, V)
             qx = logq.exp()
-            q[:, lv.parents + 1] = qx
+            q[:, lv.rows] = qx
         drawn = draw_siblings(qx, logq, lv.width, scheme, generator)  # (B, P, width)
         tokens[:, lv.nodes] = drawn[:, lv.j, lv.s]
         lq = logq.gather(2, drawn)[:, lv.j, lv.s]  # (B, n)
-        scores[:, lv.nodes] = lq + scores[:, lv.parents[lv.j]] if lv.built else lq
+        scores[:, lv.nodes] = lq + scores[:, lv.up] if lv.built else lq
     return Tree(tokens, parents, depths, scores, q, scheme, shape)

@@ -182,7 +182,7 @@ def walk_sampled(ctx: VerifyContext, generator: torch.Generator, relax_fn: Optio
     done = torch.zeros(B, dtype=torch.bool, device=dev)
     tv = torch.full((B, depth + 1), float("nan"), device=dev) if ctx.measure else None
     widths = tree.shape.widths if tree.shape is not None else (kids.shape[-1],) * (depth + 1)
-    try_sibling = fused(_try_sibling, ctx.fuse)
+    try_sibling, drop = fused(_try_sibling, ctx.fuse), fused(_drop_token, ctx.fuse)
     for level in range(depth + 1):
         moved = torch.zeros(B, dtype=torch.bool, device=dev)
         r_node, q_node = r, tree.q[ar, row]
@@ -196,7 +196,12 @@ def walk_sampled(ctx: VerifyContext, generator: torch.Generator, relax_fn: Optio
                 continue
             tok = toks[:, s, None]  # (B, 1)
             u = torch.rand(B, generator=generator, device=dev)
-            acc, r, qi = try_sibling(r, qi, tok, u, exists & ~moved, exists, tree.sampled == "wor")
+            active = exists & ~moved
+            if not active.any():  # every row with this sibling accepted an earlier one (B = 1: after any acceptance)
+                if tree.sampled == "wor":  # r is not read again; q loses the token as in _try_sibling
+                    qi = drop(qi, tok, exists)
+                continue
+            acc, r, qi = try_sibling(r, qi, tok, u, active, exists, tree.sampled == "wor")
             path[:, level] = torch.where(acc, child, path[:, level])
             moved |= acc
         if tv is not None:
@@ -269,8 +274,13 @@ def _try_sibling(r: Tensor, qi: Tensor, tok: Tensor, u: Tensor, active: Tensor, 
     acc = (u < prob) & active
     r = torch.where((exists & ~acc)[:, None], rest, r)  # rows that accepted leave r behind: unused
     if wor:
-        qi = torch.where(exists[:, None], _normalise(qi.scatter(1, tok, 0.0)), qi)
+        qi = _drop_token(qi, tok, exists)
     return acc, r, qi
+
+
+def _drop_token(qi: Tensor, tok: Tensor, exists: Tensor) -> Tensor:
+    """A draw without replacement: where the sibling exists (B,), its token tok (B, 1) leaves qi (B, V)."""
+    return torch.where(exists[:, None], _normalise(qi.scatter(1, tok, 0.0)), qi)
 
 
 def _sampled_law(p_tilde: Tensor, q: Tensor, kids: Tensor, scheme: str, emit: EmitFn, row: Tensor,

@@ -217,7 +217,8 @@ class Eagle3Drafter(nn.Module):
                 attn_mask = self.causal[input_pos][None, None]
             else:
                 mask = mask if mask.dim() == 3 else mask[None]
-                attn_mask = F.pad(mask, (0, self.cache_length - mask.shape[-1]), value=False)[:, None]
+                pad = self.cache_length - mask.shape[-1]
+                attn_mask = (F.pad(mask, (0, pad), value=False) if pad else mask)[:, None]
         elif mask is not None:
             attn_mask = (mask if mask.dim() == 3 else mask[None])[:, None]
         x = torch.cat([self.embed_norm(self.tok_embeddings(tokens)), self.hidden_norm(hidden)], dim=-1)

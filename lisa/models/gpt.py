@@ -523,7 +523,7 @@ class Transformer(nn.Module):
             else:
                 mask = mask if mask.dim() == 3 else mask[None]
                 pad = self.cache_length - mask.shape[-1]
-                attn_mask = F.pad(mask, (0, pad), value=False)[:, None]  # (B|1, 1, S, L)
+                attn_mask = (F.pad(mask, (0, pad), value=False) if pad else mask)[:, None]  # (B|1, 1, S, L)
         elif mask is not None:
             attn_mask = (mask if mask.dim() == 3 else mask[None])[:, None]  # (B|1, 1, S, S)
         h = self.tok_dropout(x)
