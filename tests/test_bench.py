@@ -67,6 +67,16 @@ def test_sampling_bench_report_and_markdown():
     ms = {m["name"]: m for m in report["methods"]}
     assert ms["sjd"]["drafter_share"] == 0.0 and ms["exact-tree"]["drafter_share"] > 0.0
     assert 0.0 < ms["exact-tree"]["target_share"] < 1.0
+    # where a drafter step goes: cold (after a target forward) and warm, at 1 pair and the tree methods' widths,
+    # its parts (hooks on the submodules) never more than the step itself
+    step = report["drafter_step"]["release"]
+    assert step["t1_ms"] > 0 and step["fc_ms"] > 0 and 1 in step["widths"] and len(step["widths"]) >= 2
+    for modes in step["widths"].values():
+        for x in modes.values():
+            parts = sum(x[p] for p in ("inputs", "attention", "ffn", "head"))
+            assert 0 < parts <= x["step_ms"] and x["glue"] >= 0 and x["step_over_t1"] == pytest.approx(
+                x["step_ms"] / step["t1_ms"])
+    assert "Drafter step (release drafter), where it goes" in md and "| 1 | cold |" in md
 
 
 @pytest.mark.slow

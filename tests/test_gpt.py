@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from lisa.models.gpt import GPTConfig, default_taps, gpt_config, rope_2d_table
+from lisa.models.gpt import GPTConfig, apply_rope, default_taps, gpt_config, rope_2d_table, rope_operands
 from tests.helpers import micro_gpt, micro_t2i
 
 ATOL = 1e-5
@@ -96,10 +96,21 @@ def test_taps_return_block_outputs():
     out = model.teacher_forced(cond, tokens, taps=(0, 3))
     assert len(out.hidden) == 2 and out.hidden[0].shape == (1, 8, 64)
     x = torch.cat([model.embed_cond(cond), model.embed_tokens(tokens[:, :-1])], 1)
-    h = model.layers[0](x, model.rope[:8][None], None, None)
+    h = model.layers[0](x, rope_operands(model.rope[:8][None]), None, None)
     torch.testing.assert_close(out.hidden[0], h, atol=ATOL, rtol=0)
     assert not torch.allclose(out.hidden[0], out.hidden[1])
     assert default_taps(36) == (2, 18, 33) and default_taps(2) == (1, 1, 0)
+
+
+def test_rope_is_the_pairwise_rotation_bit_for_bit():
+    # the operands form (x * (c, c) + swap(x) * (-s, s)) does LlamaGen's float operations in its order
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 3, 16) * 10
+    table = rope_2d_table(grid_size=4, head_dim=16, base=10000, cls_token_num=3)[torch.randint(0, 19, (2, 5))]
+    xs, r = x.reshape(2, 5, 3, 8, 2), table[:, :, None]
+    ref = torch.stack([xs[..., 0] * r[..., 0] - xs[..., 1] * r[..., 1],
+                       xs[..., 1] * r[..., 0] + xs[..., 0] * r[..., 1]], -1).flatten(3)
+    assert torch.equal(apply_rope(x, rope_operands(table)), ref)
 
 
 def test_rope_zero_for_condition_and_2d_layout():

@@ -126,6 +126,103 @@ class ForwardTimer:
             h.remove()
 
 
+STEP_PARTS = {"inputs": ("tok_embeddings", "embed_norm", "hidden_norm"), "attention": ("attention",),
+              "ffn": ("ffn_norm", "feed_forward"), "head": ("norm", "output")}
+
+
+@torch.inference_mode()
+def drafter_step_parts(target: Transformer, drafter, rows: int, widths: Sequence[int], context: int,
+                       new: int, reps: int = 15) -> dict:
+    """Where one drafter step goes, in the decode loop's conditions and back to back: per width w (pairs per row)
+    the step "cold", each right after a target forward over `new` tokens (the round's tree: the target's weights
+    and caches pass through the CPU's caches in between, as in the loop), and "warm", right after another drafter
+    step; each split by forward hooks on the drafter's submodules into the token embedding and input norms, the
+    attention (over the drafter's cache), the SwiGLU, the head (final norm and the output layer) and the glue
+    between them (concatenation, residuals, RoPE lookup), with the fc over the fused taps (once per round, in the
+    commit of the accepted pairs) timed apart; and t(1), the one-token target forward it is compared with, timed
+    in the same interleaved repetitions. Returns {"t1_ms", "fc_ms", "widths": {w: {"cold" | "warm": {"step_ms",
+    "step_over_t1", part: ms}}}}."""
+    dev = next(target.parameters()).device
+    cfg = drafter.config
+    L = context + max(max(widths), new) + 1
+    target.setup_caches(rows, L)
+    drafter.setup_caches(rows, L)
+
+    def target_call(n):
+        slots = (context + torch.arange(n, device=dev)).expand(rows, n)
+        mask = (torch.arange(target.cache_length, device=dev)[None, None, :] <= slots[:, :, None]).expand(
+            rows, n, target.cache_length)
+        x = target.embed_tokens(torch.randint(0, target.config.vocab_size, (rows, n), device=dev))
+        rope = slots.clamp(max=target.rope.shape[0] - 1)
+        return lambda: target(x, slots, mask=mask, rope_pos=rope)
+
+    def drafter_call(w):
+        slots = (context + torch.arange(w, device=dev)).expand(rows, w)
+        mask = (torch.arange(drafter.cache_length, device=dev)[None, None, :] <= slots[:, :, None]).expand(
+            rows, w, drafter.cache_length)
+        toks = torch.randint(0, cfg.vocab_size, (rows, w), device=dev)
+        hidden = torch.randn(rows, w, cfg.model_dim, device=dev, dtype=drafter.fc.weight.dtype)
+        rope = slots.clamp(max=drafter.rope.shape[0] - 1)
+        return lambda: drafter(toks, hidden, input_pos=slots, mask=mask, rope_pos=rope)
+
+    taps = [torch.randn(rows, 3, cfg.dim, device=dev, dtype=drafter.fc.weight.dtype) for _ in range(3)]
+    spent = {part: 0.0 for part in STEP_PARTS}
+    hooks = []
+    for part, names in STEP_PARTS.items():
+        for name in names:
+            module = getattr(drafter, name, None)
+            if module is None:
+                continue
+            start = {}
+
+            def pre(*_, start=start):
+                sync(dev)
+                start["t"] = time.perf_counter()
+
+            def post(*_, start=start, part=part):
+                sync(dev)
+                spent[part] += time.perf_counter() - start["t"]
+
+            hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    big, one, steps = target_call(new), target_call(1), {w: drafter_call(w) for w in widths}
+    got = {(w, mode): [] for w in widths for mode in ("cold", "warm")}
+    t1, fc = [], []
+
+    def timed(fn):
+        sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        sync(dev)
+        return time.perf_counter() - t0
+
+    try:
+        for r in range(reps + 1):
+            t1.append(timed(one))
+            fc.append(timed(lambda: drafter.fuse(taps)))
+            for w, step in steps.items():
+                for mode in ("cold", "warm"):
+                    big() if mode == "cold" else step()
+                    for part in spent:
+                        spent[part] = 0.0
+                    got[w, mode].append((timed(step), dict(spent)))
+    finally:
+        for h in hooks:
+            h.remove()
+    t1_s = statistics.median(t1[1:])
+    out = {"t1_ms": 1000 * t1_s, "fc_ms": 1000 * statistics.median(fc[1:]), "rows": rows, "context": context,
+           "cold_after_tokens": new, "widths": {}}
+    for w in widths:
+        out["widths"][w] = {}
+        for mode in ("cold", "warm"):
+            xs = got[w, mode][1:]
+            step = statistics.median(x[0] for x in xs)
+            row = {"step_ms": 1000 * step, "step_over_t1": step / t1_s}
+            row |= {part: 1000 * statistics.median(x[1][part] for x in xs) for part in STEP_PARTS}
+            row["glue"] = max(0.0, row["step_ms"] - sum(row[part] for part in STEP_PARTS))
+            out["widths"][w][mode] = row
+    return out
+
+
 def resolve_auto(m, choice):
     """Method m (tree "auto") with the cost model's choice of draft policy and tree."""
     if choice.draft == "sample":
@@ -323,6 +420,12 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
                 if (which, w) in cbare_d:
                     cbare_d[which, w].append(costmodel.time_drafter_forward(compiled_model(drafters[which]), rows, w,
                                                                             context, reps=3))
+        # where one drafter step goes, per drafter the tree methods use, at the widths they draft (eager)
+        tree_ms = [m for m in methods if m.drafts_tree and drafter_of(m) is not None]
+        step = {which: drafter_step_parts(target, drafters[which], rows,
+                                          sorted({1} | {w for (d, w) in widths.values() if d == which}), context,
+                                          max(forward_size(m) for m in tree_ms))
+                for which in sorted({getattr(m, "drafter", "release") for m in tree_ms})} if tree_ms else {}
         tput = (bench_throughput(target, drafter_of, methods, conditions, sampling, seed, throughput, geometry,
                                  set(compiled), device, progress)
                 if throughput is not None and throughput.batch_sizes and throughput.methods else None)
@@ -412,7 +515,7 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
                     ccalls[n] * statistics.median(cbare_d[cwidth_of[n]]) if n in cwidth_of else 0.0)
                 for n, cm in cmethods.items()}, {n: (cm.spec().describe(), cpicked[n].as_dict())
                                                  for n, cm in cmethods.items() if n in cpicked}),
-            "throughput": tput}
+            "throughput": tput, "drafter_step": step}
 
 
 def compiled_rows(runs: dict, eager: list[dict], first_call: dict, images: int, repeats: int,
@@ -601,6 +704,19 @@ def speculative_markdown(report: dict, title: str) -> str:
             lines.append(f"| {m['name']} | " + " | ".join(f"{r[p]:.2f}" if p in r else "-" for p in parts)
                          + f" | {m['round_ms_total']:.2f} | {m['bare_round_ms']:.2f} | "
                            f"{m['round_ms_total'] / m['bare_round_ms']:.2f} |")
+    for which, st in (report.get("drafter_step") or {}).items():
+        lines += ["", f"Drafter step ({which} drafter), where it goes: ms per step at w pairs per row, {st['rows']} rows, "
+                      f"after {st['context']} cached pairs; cold: right after a target forward over "
+                      f"{st['cold_after_tokens']} tokens (as in the loop), warm: right after another drafter step; "
+                      f"parts by hooks on its submodules (glue: what lies between them); t(1) = {st['t1_ms']:.2f} ms "
+                      f"(the one-token target forward, same repetitions); the fc over the fused taps, once per round "
+                      f"in the commit: {st['fc_ms']:.3f} ms", "",
+                  "| w | when | step ms | step / t(1) | " + " | ".join(STEP_PARTS) + " | glue |",
+                  "|---|---|---|---|" + "---|" * (len(STEP_PARTS) + 1)]
+        for w, modes in st["widths"].items():
+            for mode, x in modes.items():
+                lines.append(f"| {w} | {mode} | {x['step_ms']:.3f} | {x['step_over_t1']:.2f} | "
+                             + " | ".join(f"{x[part]:.3f}" for part in (*STEP_PARTS, "glue")) + " |")
     if report.get("compiled"):
         lines += ["", "Eager and compiled, side by side (the same interleaved passes; compiled: the target's and the "
                       "drafter's forwards under torch.compile, inductor, static shapes, one graph per shape, with the "

@@ -63,7 +63,6 @@ class Layout:
     """A window's static shape, shared by every row and iteration. Node arrays in breadth-first order (N,)."""
     parents: Tensor  # (N,) -1 for children of the root
     depth: Tensor  # (N,) 1 for children of the root
-    rank: Tensor  # (N,) index among its siblings (0: the first child)
     follow: Tensor  # (N + 1, L + 1) from each row (0 = root, i + 1 = node i), one node per depth below it: its
     #                 first-child chain, continued by the main chain's nodes where it ends; pad -1
     main: Tensor  # (L,) the first-child chain from the root (depth 1, 2, ...), pad -1
@@ -97,7 +96,6 @@ class Layout:
                 node, d = first[node + 1], d + 1
         return cls(torch.tensor([index[p[:-1]] if len(p) > 1 else -1 for p in paths], device=device),
                    torch.tensor([len(p) for p in paths], device=device),
-                   torch.tensor([p[-1] for p in paths], device=device),
                    follow.to(device), torch.tensor((main + [-1] * window)[:window], device=device),
                    tree_shape(paths, device), all(p[-1] == 0 for p in paths), len(main), tuple(main))
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lisa.models.gpt import (GPTConfig, KVCache, RMSNorm, apply_rope, default_taps, find_multiple, rope_1d_table,
-                             rope_2d_table)
+                             rope_2d_table, rope_operands)
 from lisa.models.presets import build_config
 
 
@@ -208,7 +208,7 @@ class Eagle3Drafter(nn.Module):
         if rope_pos is None:
             rope_pos = input_pos if input_pos is not None else torch.arange(S, device=tokens.device)
         rope = self.rope[rope_pos]
-        rope = rope.unsqueeze(0) if rope.dim() == 3 else rope
+        rope = rope_operands(rope.unsqueeze(0) if rope.dim() == 3 else rope)
         attn_mask = None
         if input_pos is not None:
             if self.cache_length == 0:

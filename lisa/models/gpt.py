@@ -183,14 +183,20 @@ def rotate_half_permutation(head_dim: int) -> Tensor:
     return torch.stack([torch.arange(half), torch.arange(half) + half], dim=-1).flatten()
 
 
-def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
-    """x: (B, S, H, hd); rope: (B|1, S, hd // 2, 2). Rotates adjacent pairs, in fp32 like LlamaGen."""
+def rope_operands(rope: Tensor) -> tuple[Tensor, Tensor]:
+    """Rows of a RoPE table (B|1, S, hd // 2, 2) of (cos, sin) -> apply_rope's operands, built once per forward
+    and shared by every layer: (cos, cos) and (-sin, sin) per pair, each (B|1, S, 1, hd // 2, 2)."""
+    c, s = rope[..., :1], rope[..., 1:]
+    return torch.cat([c, c], -1)[:, :, None], torch.cat([-s, s], -1)[:, :, None]
+
+
+def apply_rope(x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+    """x: (B, S, H, hd); rope: `rope_operands`. Rotates adjacent pairs (x0, x1) -> (x0 c - x1 s, x1 c + x0 s), in
+    fp32 like LlamaGen, as x * (c, c) + swap(x) * (-s, s): the same float operations in the same order (x1 (-s)
+    is -(x1 s) exactly), in a handful of tensor ops instead of two dozen."""
+    cc, ss = rope
     xs = x.float().reshape(*x.shape[:-1], -1, 2)  # (B, S, H, hd/2, 2)
-    r = rope[:, :, None]  # (B|1, S, 1, hd/2, 2)
-    out = torch.stack(
-        [xs[..., 0] * r[..., 0] - xs[..., 1] * r[..., 1], xs[..., 1] * r[..., 0] + xs[..., 0] * r[..., 1]], dim=-1
-    )
-    return out.flatten(3).type_as(x)
+    return (xs * cc + xs.flip(-1) * ss).flatten(3).type_as(x)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -511,7 +517,7 @@ class Transformer(nn.Module):
         if rope_pos is None:
             rope_pos = input_pos if input_pos is not None else torch.arange(S, device=x.device)
         rope = self.rope[rope_pos]  # (S | B,S, hd/2, 2)
-        rope = rope.unsqueeze(0) if rope.dim() == 3 else rope  # (B|1, S, hd/2, 2)
+        rope = rope_operands(rope.unsqueeze(0) if rope.dim() == 3 else rope)  # (B|1, S, 1, hd/2, 2) x 2
         attn_mask = None
         if input_pos is not None:
             if self.cache_length == 0:
