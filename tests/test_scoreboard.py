@@ -76,6 +76,60 @@ def test_pick_takes_the_highest_tau_within_the_budget():
         pick(pts, None)
 
 
+def test_bench_spec_times_the_points_the_budgets_pick(tmp_path):
+    # every family's pick at every budget joins bench-spec, unless a bench method already is that method; the
+    # scoreboard then finds each pick's speedups in the bench report by its method fields
+    from dataclasses import asdict
+
+    from lisa.config import BenchMethod, ScoreboardParams
+    from lisa.stages.bench import scoreboard_picks
+    from lisa.stages.scoreboard import _bench_speedups, _timed
+
+    sb = ScoreboardParams(families={"gsd": SweepFamily(method="gsd", grid={"prob_gap": [0.05, 0.3]}),
+                                    "sjd": SweepFamily(method="sjd"), "vanilla": SweepFamily(method="vanilla"),
+                                    "unswept": SweepFamily(method="scd-mc")}, budgets=[0.05, 0.15, 0.3])
+    sweep = {"gsd": [(0.04, 2.0), (0.2, 2.5)], "sjd": [(0.0, 2.1)], "vanilla": [(0.0, 1.0)]}
+    for family, tvs in sweep.items():
+        points = [{"label": label, "method": asdict(m), "tau": tau, "tv": tv}
+                  for (label, m), (tv, tau) in zip(sb.families[family].points(), tvs)]
+        (tmp_path / f"{family}.json").write_text(json.dumps({"points": points}))
+    bench = [BenchMethod("vanilla"), BenchMethod("sjd-16", "sjd", window=16)]
+    picks = scoreboard_picks(bench, sb, tmp_path)
+    # gsd at 0.05 and 0.15 picks prob_gap 0.05, at 0.3 prob_gap 0.3; sjd is a bench method; no sweep, no pick
+    assert [m.name for m in picks] == ["gsd[prob_gap0.05]", "gsd[prob_gap0.3]"]
+    assert picks[1].method == "gsd" and picks[1].options == {"prob_gap": 0.3}
+    report = {"methods": [{"name": m.name, "speedup": s, "decode_method": {k: v for k, v in asdict(m).items()
+                                                                           if k != "name"}}
+                          for m, s in zip([*bench, *picks], [1.0, 0.9, 1.1, 1.2])], "compiled": []}
+    (tmp_path / "bench.json").write_text(json.dumps(report))
+    speedups = _bench_speedups(bench, tmp_path / "bench.json")
+    point = json.loads((tmp_path / "gsd.json").read_text())["points"][1]
+    assert _timed(point, speedups) == {"bench": "gsd[prob_gap0.3]", "eager": 1.2, "compiled": None}
+
+
+def test_headline_names_the_leader_at_each_budget():
+    from lisa.config import ScoreboardParams
+    from lisa.stages.scoreboard import _markdown
+
+    sb = ScoreboardParams(families={}, budgets=[0.05, 0.3])
+
+    def cell(tau, eager=None, compiled=None):
+        timed = None if eager is None else {"bench": "x", "eager": eager, "compiled": compiled}
+        return {"tau": tau, "tv": 0.0, "label": "default", "timed": timed}
+
+    rows = {"vanilla": {"lossless": True, "points": 1, "tv<=0.05": cell(1.0, 1.0, 1.0), "tv<=0.3": cell(1.0, 1.0, 1.0),
+                        "indistinguishable": None},
+            "exact": {"lossless": True, "points": 1, "tv<=0.05": cell(2.6, 0.6, 0.5), "tv<=0.3": cell(2.6, 0.6, 0.5),
+                      "indistinguishable": None},
+            "jacobi": {"lossless": True, "points": 1, "tv<=0.05": cell(2.5, 1.1), "tv<=0.3": cell(2.5, 1.1),
+                       "indistinguishable": None},
+            "relaxed": {"lossless": False, "points": 3, "tv<=0.05": None, "tv<=0.3": cell(4.4, 0.8, 0.7),
+                        "indistinguishable": None}}
+    md = "\n".join(_markdown("w", sb, {"exact": {"images": 10}}, rows, {}, {}))
+    assert "| <= 0.05 | exact (2.60) | jacobi (1.10x) | exact (0.50x) |" in md
+    assert "| <= 0.3 | relaxed (4.40) | jacobi (1.10x) | relaxed (0.70x) |" in md
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda sb: sb["points"].update({"x": {"world": "fashion-c2i", "family": "nope"}}), "family 'nope'"),
     (lambda sb: sb["points"].update({"x": {"world": "mars", "family": "vanilla"}}), "world 'mars'"),

@@ -2,19 +2,22 @@
 decoding method on a world's target and drafters, same conditions and seeds, in one run)."""
 from __future__ import annotations
 
+import dataclasses
 import time
+from pathlib import Path
 
 import torch
 
 from lisa.bench.speed import bench_speculative, bench_vanilla, markdown_table, speculative_markdown
-from lisa.checkpoint import atomic_write_all, json_writer
-from lisa.config import BenchParams, BenchSpecParams, SampleParams, WorldParams
+from lisa.checkpoint import atomic_write_all, json_writer, read_json
+from lisa.config import BenchMethod, BenchParams, BenchSpecParams, SampleParams, ScoreboardParams, WorldParams
 from lisa.models.gpt import Transformer, gpt_config
 from lisa.models.llamagen import load_target, load_tokenizer
 from lisa.stages.common import (calibration_sha, check_pair, class_names, load_geometry, method_drafters,
                                 text_encoder)
 from lisa.stages.paths import SharedPaths, Stage, WorldPaths
 from lisa.stages.render import lines_writer, plot_bench
+from lisa.stages.scoreboard import pick
 
 
 def bench(p: BenchParams, shared: SharedPaths) -> dict:
@@ -60,24 +63,50 @@ def _bench_conditions(world: WorldParams, cfg, sample_p: SampleParams, p: BenchS
     return conditions, 1000 * text_s if text_s is not None else None
 
 
-def _check_methods(p: BenchSpecParams) -> None:
-    if len({m.name for m in p.methods}) != len(p.methods):
-        raise ValueError(f"bench_spec.methods: names must be unique, got {[m.name for m in p.methods]}")
+def scoreboard_picks(methods: list[BenchMethod], sb: ScoreboardParams, sweep_dir: Path) -> list[BenchMethod]:
+    """The scoreboard's choices that no bench method already is: per family of `sb.families` whose sweep exists
+    (sweep_dir/<family>.json), the point each TV budget picks (lisa.stages.scoreboard.pick), named
+    `<family>[<label>]`. bench-spec times them beside its own methods, so that the scoreboard's headline table has
+    a wall-clock speedup at every budget."""
+    have = [_fields(m) for m in methods]
+    out = {}
+    for family in sb.families:
+        f = sweep_dir / f"{family}.json"
+        if not f.is_file():
+            continue
+        points = read_json(f)["points"]
+        for budget in sb.budgets:
+            best = pick(points, budget)
+            if best is None or best["method"]["method"] == "vanilla" or best["method"] in have:
+                continue
+            out.setdefault(f"{family}[{best['label']}]", best["method"])
+    return [BenchMethod(name=name, **fields) for name, fields in out.items()]
 
 
-def bench_spec(world: WorldParams, sample_p: SampleParams, p: BenchSpecParams, paths: WorldPaths) -> dict:
+def _fields(m: BenchMethod) -> dict:
+    """A bench method's DecodeMethod fields (what a sweep point records as its method)."""
+    return {k: v for k, v in dataclasses.asdict(m).items() if k != "name"}
+
+
+def bench_spec(world: WorldParams, sample_p: SampleParams, p: BenchSpecParams, paths: WorldPaths,
+               sb: ScoreboardParams | None = None) -> dict:
     """Speculative decoding benchmark of a world's target and drafters: every method of `p.methods` on the same
     classes / prompts (`sample_p`) with the same seeds, in one run -> bench_dir/<world>.{json,md,png}. Methods use
-    the release drafter or the LID one (BenchMethod.drafter); gasv reads the calibration."""
+    the release drafter or the LID one (BenchMethod.drafter); gasv reads the calibration. With `sb` (the
+    scoreboard's settings) the points its budgets pick from the world's sweeps run too (`scoreboard_picks`), eager
+    and, when `p.compiled` names any method, compiled. Each method's row records its DecodeMethod fields."""
     if p.threads:
         torch.set_num_threads(p.threads)
+    picks = scoreboard_picks(p.methods, sb, paths.sweep_dir) if sb is not None else []
+    methods = [*p.methods, *picks]
+    if len({m.name for m in methods}) != len(methods):
+        raise ValueError(f"bench_spec.methods: names must be unique, got {[m.name for m in methods]}")
     model, target_meta = load_target(paths.target_file)
     vq, vq_meta = load_tokenizer(paths.tokenizer_file)
     check_pair(paths.target_file, target_meta, paths.tokenizer_file, vq_meta)
     cfg = model.config
-    _check_methods(p)
-    drafters = method_drafters(p.methods, {"release": paths.drafter_file, "lid": paths.lid_drafter_file}, target_meta)
-    geometry = load_geometry(model, target_meta, vq, p.methods, p.neighbours, paths.calibration_file)
+    drafters = method_drafters(methods, {"release": paths.drafter_file, "lid": paths.lid_drafter_file}, target_meta)
+    geometry = load_geometry(model, target_meta, vq, methods, p.neighbours, paths.calibration_file)
     conditions, text_ms = _bench_conditions(world, cfg, sample_p, p, paths.target_file)
     sampling = world.sampling_config(p)  # the world's own values over the section's
 
@@ -85,9 +114,14 @@ def bench_spec(world: WorldParams, sample_p: SampleParams, p: BenchSpecParams, p
         with torch.inference_mode():
             return vq.decode(model.image_codes(tokens))
 
-    report = bench_speculative(model, {k: d for k, (d, _) in drafters.items()}, conditions, p.methods, sampling,
-                               p.repeats, p.warmup, p.seed, geometry, p.auto, vq_decode, compiled=p.compiled,
+    compiled = [*p.compiled, *(m.name for m in picks)] if p.compiled else []
+    report = bench_speculative(model, {k: d for k, (d, _) in drafters.items()}, conditions, methods, sampling,
+                               p.repeats, p.warmup, p.seed, geometry, p.auto, vq_decode, compiled=compiled,
                                throughput=p.throughput)
+    fields = {m.name: _fields(m) for m in methods}
+    for row in report["methods"]:
+        row["decode_method"] = fields[row["name"]]  # an auto row: its method as configured, before the cost model
+    report["scoreboard_picks"] = [m.name for m in picks]
     report |= {"world": paths.world, "text_encode_ms_per_prompt": text_ms,
                "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
                             "cfg_scale": sampling.cfg_scale},
@@ -107,5 +141,6 @@ def bench_spec(world: WorldParams, sample_p: SampleParams, p: BenchSpecParams, p
 
 STAGES = {
     "bench": Stage(lambda c: bench(c.params.bench, c.shared), out="bench_dir", world=False),
-    "bench-spec": Stage(lambda c: bench_spec(c.world, c.params.sample, c.params.bench_spec, c.paths), out="bench_dir"),
+    "bench-spec": Stage(lambda c: bench_spec(c.world, c.params.sample, c.params.bench_spec, c.paths,
+                                             c.params.scoreboard), out="bench_dir"),
 }

@@ -184,8 +184,10 @@ def _bench_speedups(bench_methods: list, bench_file: Path) -> dict[str, dict]:
     eager = {m["name"]: m.get("speedup") for m in report["methods"]}
     compiled = {m["name"]: m.get("speedup") for m in report.get("compiled", [])}
     fields = [f.name for f in dataclasses.fields(DecodeMethod)]
-    return {m.name: {"method": {f: getattr(m, f) for f in fields}, "eager": eager.get(m.name),
-                     "compiled": compiled.get(m.name)} for m in bench_methods if m.name in eager}
+    method = {m.name: {f: getattr(m, f) for f in fields} for m in bench_methods}
+    method |= {m["name"]: m["decode_method"] for m in report["methods"] if "decode_method" in m}  # the picks too
+    return {name: {"method": method[name], "eager": eager[name], "compiled": compiled.get(name)}
+            for name in eager if name in method}
 
 
 def _timed(point: dict, speedups: dict[str, dict]) -> Optional[dict]:
@@ -237,9 +239,10 @@ def _markdown(world: str, p: ScoreboardParams, fams: dict, rows: dict, points: d
     lines = [f"# Scoreboard, {world}: tau at matched quality", "",
              f"Sweep: {images} images per point (the quality conditions' first ones, the same seeds for every point), "
              "tau = tokens per target forward, TV = mean per-token total variation between the law each token was "
-             "drawn from and the target's, measured exactly (0: lossless). `lisa sweep`, one stage per family. Where "
-             "the chosen point is a method bench-spec times, its wall-clock speedup against vanilla of the same mode "
-             "(reports/bench, batch 1) follows; the other points are not timed yet.", "",
+             "drawn from and the target's, measured exactly (0: lossless). `lisa sweep`, one stage per family. Each "
+             "chosen point's wall-clock speedup against vanilla of the same mode follows, eager and compiled "
+             "(reports/bench, batch 1: bench-spec times every point a budget picks beside its own methods, "
+             "named after the bench method it is or <family>[<label>]).", "",
              "| family | lossless | points | " + " | ".join(f"tau at TV <= {b:g}" for b in p.budgets)
              + " | indistinguishable from vanilla |",
              "|---|---|---|" + "---|" * len(p.budgets) + "---|"]
@@ -256,6 +259,18 @@ def _markdown(world: str, p: ScoreboardParams, fams: dict, rows: dict, points: d
         ind = "not measured" if ind is None else f"tau {ind['tau']:.2f} at TV {ind['tv']:.3f} ({ind['point']})"
         lines.append(f"| {f} | {'yes' if r['lossless'] else 'no'} | {r['points']} | " + " | ".join(cells)
                      + f" | {ind} |")
+    lines += ["", "Who leads at each budget (lossless rows at every budget; speedups of the same bench-spec run):", "",
+              "| TV budget | highest tau | fastest eager | fastest compiled |", "|---|---|---|---|"]
+    for b in p.budgets:
+        cells = [(f, r[f"tv<={b:g}"]) for f, r in rows.items() if f != "vanilla" and r[f"tv<={b:g}"]]
+        lead = []
+        for key in ("tau", "eager", "compiled"):
+            def val(c, key=key):
+                return c[1]["tau"] if key == "tau" else (c[1]["timed"] or {}).get(key)
+            scored = [c for c in cells if val(c) is not None]
+            best = max(scored, key=val, default=None)
+            lead.append("-" if best is None else f"{best[0]} ({val(best):.2f}{'' if key == 'tau' else 'x'})")
+        lines.append(f"| <= {b:g} | " + " | ".join(lead) + " |")
     lines += ["", "Quality points: each decodes its own images (tau and TV measured there too), scored against the "
               "held-out reference; value [bias-corrected bootstrap 95% interval] over resamples of the generated "
               "images (lisa.quality.compare). Vanilla's seeds give the noise floor: a point is indistinguishable "
