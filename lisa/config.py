@@ -275,6 +275,7 @@ class TrainDrafterParams(TrainTargetParams, DrafterArch):
     weight_decay: float = 0.0
     ttt_steps: Count = 4  # unrolled drafting steps
     ttt_decay: float = 0.8  # loss weight decay^s of step s
+    ttt: Literal["concat", "incremental"] = "concat"  # how a step is computed (lisa.training.drafter.ttt_losses)
     grad_accum: Count = 1  # micro-batches per step (batch_size = ranks x grad_accum x micro-batch)
     precision: Literal["fp32", "bf16", "auto"] = "fp32"  # bf16 autocast; auto = bf16 on a GPU that has it
     eval_every: Count0 = 100  # held-out curve point every N steps (0 = none)

@@ -214,3 +214,27 @@ def test_heldout_topk_mass_is_the_exact_acceptance_of_k_children():
                lambda tp, logits: seen.append(tp.gather(-1, logits.topk(3, -1).indices).sum(-1).mean()) or
                tp.sum(-1))
     assert m["heldout_topk_mass"][0] == pytest.approx(seen[0].item(), rel=1e-5)
+
+
+def test_incremental_ttt_is_the_concatenated_one():
+    # step s over its own pairs, attending the earlier steps' keys / values, = step s over the concatenation of
+    # steps 0..s: the same losses and agreement, the same gradients up to float summation order
+    from lisa.training.drafter import target_features, ttt_losses
+
+    target = peaked_target()
+    tokens, cond = data(target, n=6)
+    torch.manual_seed(0)
+    d = new_drafter(target)
+    hidden, p = target_features(target, cond, tokens, None, tuple(d.config.taps))
+    runs = {}
+    for incremental in (False, True):
+        d.zero_grad()
+        losses = ttt_losses(d, hidden, p, tokens, 3, target.config.cls_token_num, incremental=incremental)
+        sum(0.8**s * l for s, l in enumerate(losses)).backward()
+        runs[incremental] = (torch.stack(losses).detach(), list(d.last_acc),
+                             {n: q.grad.clone() for n, q in d.named_parameters() if q.grad is not None})
+    (l0, a0, g0), (l1, a1, g1) = runs[False], runs[True]
+    torch.testing.assert_close(l1, l0, rtol=1e-6, atol=1e-6)
+    assert a1 == a0 and g1.keys() == g0.keys() and len(g0) > 5
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-6, msg=n)

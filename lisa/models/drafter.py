@@ -126,7 +126,8 @@ class DraftAttention(nn.Module):
         self.wo = nn.Linear(D, D, bias=False)
         self.kv_cache: Optional[KVCache] = None
 
-    def forward(self, x: Tensor, rope: Tensor, input_pos: Optional[Tensor], mask: Optional[Tensor]) -> Tensor:
+    def forward(self, x: Tensor, rope: Tensor, input_pos: Optional[Tensor], mask: Optional[Tensor],
+                past: Optional[list] = None) -> Tensor:
         B, S, _ = x.shape
         q_dim, kv = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
         q, k, v = self.wqkv(x).split([q_dim, kv, kv], dim=-1)
@@ -135,6 +136,9 @@ class DraftAttention(nn.Module):
         v = v.view(B, S, self.n_kv_head, self.head_dim).transpose(1, 2)
         if input_pos is not None:
             k, v = self.kv_cache.update(input_pos, k, v)
+        elif past is not None:  # training-time test, step by step: the earlier steps' keys / values, with their graph
+            past.append((k, v))
+            k, v = torch.cat([pk for pk, _ in past], 2), torch.cat([pv for _, pv in past], 2)
         if self.n_kv_head != self.n_head:
             k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
             v = v.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
@@ -201,9 +205,12 @@ class Eagle3Drafter(nn.Module):
         return self.fc(torch.cat(list(taps), dim=-1))
 
     def forward(self, tokens: Tensor, hidden: Tensor, input_pos: Optional[Tensor] = None,
-                mask: Optional[Tensor] = None, rope_pos: Optional[Tensor] = None) -> DraftOutput:
+                mask: Optional[Tensor] = None, rope_pos: Optional[Tensor] = None,
+                past: Optional[list] = None) -> DraftOutput:
         """tokens (B, S): the token after each hidden state; hidden (B, S, D): fused target features or the
-        drafter's own previous hidden. input_pos / mask / rope_pos as in Transformer.forward."""
+        drafter's own previous hidden. input_pos / mask / rope_pos as in Transformer.forward. past (no cache, for
+        training): a list of the (key, value) tensors of earlier calls, which this call's queries also attend
+        (mask (B|1, S, earlier + S) covers them, in order) and to which it appends its own."""
         B, S = tokens.shape
         if rope_pos is None:
             rope_pos = input_pos if input_pos is not None else torch.arange(S, device=tokens.device)
@@ -222,7 +229,7 @@ class Eagle3Drafter(nn.Module):
         elif mask is not None:
             attn_mask = (mask if mask.dim() == 3 else mask[None])[:, None]
         x = torch.cat([self.embed_norm(self.tok_embeddings(tokens)), self.hidden_norm(hidden)], dim=-1)
-        h = hidden + self.attention(x, rope, input_pos, attn_mask)
+        h = hidden + self.attention(x, rope, input_pos, attn_mask, past)
         if self.config.ffn_hidden:
             h = h + self.feed_forward(self.ffn_norm(h))
         return DraftOutput(self.output(self.norm(h)).float(), h)

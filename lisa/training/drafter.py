@@ -108,20 +108,27 @@ def target_features(target: Transformer, cond: Tensor, tokens: Tensor, drop: Opt
 
 
 def ttt_losses(drafter: Eagle3Drafter, hidden, target_p, tokens: Tensor, steps: int, C: int,
-               loss_fn: Callable = soft_ce) -> list[Tensor]:
+               loss_fn: Callable = soft_ce, incremental: bool = False) -> list[Tensor]:
     """Mean loss of each TTT step (list of `steps` scalars), and per-step top-1 agreement in `drafter.last_acc`.
     target_p: the target's distributions (B, T, V), or CachedTargets (labels from a logit cache, with a loss_fn
-    that reads them: cached_soft_ce or lid_loss_fn)."""
+    that reads them: cached_soft_ce or lid_loss_fn). Step s runs the drafter over the concatenation of steps
+    0..s (all (s + 1) T pairs, the earlier ones recomputed), or with `incremental` over its own T pairs only,
+    their queries attending the earlier steps' keys and values (`Eagle3Drafter.forward`'s past): the same
+    function and gradients up to float summation order, with a quarter of the pairs at 4 steps (4 T against 10 T)."""
     B, T = tokens.shape
     dev = tokens.device
     mask = ttt_mask(T, steps, dev)
     feats = drafter.fuse(hidden)  # (B, T, H)
     rope = (C + torch.arange(T, device=dev)).repeat(steps)  # pair j embeds token j at grid position j
-    toks, hids, losses, accs = [tokens], [feats], [], []
+    toks, hids, losses, accs, past = [tokens], [feats], [], [], []
     for s in range(steps):
         L = (s + 1) * T
-        out = drafter(torch.cat(toks, 1), torch.cat(hids, 1), mask=mask[:L, :L], rope_pos=rope[:L])
-        logits = out.logits[:, s * T : (s + 1) * T]  # step s: pair j predicts token j + 1
+        if incremental:
+            out = drafter(tokens, hids[-1], mask=mask[s * T : L, :L], rope_pos=rope[s * T : L], past=past)
+            logits = out.logits
+        else:
+            out = drafter(torch.cat(toks, 1), torch.cat(hids, 1), mask=mask[:L, :L], rope_pos=rope[:L])
+            logits = out.logits[:, s * T : (s + 1) * T]  # step s: pair j predicts token j + 1
         valid = torch.arange(T, device=dev) >= s  # the chain starts at committed pair j - s >= 0
         valid[-1] = False  # pair T - 1 has no next token
         p = target_p[:, 1:]  # token j + 1's distribution, for j = 0..T-2
@@ -130,7 +137,7 @@ def ttt_losses(drafter: Eagle3Drafter, hidden, target_p, tokens: Tensor, steps: 
         losses.append((per * w).sum() / (w.sum() * B).clamp(min=1))
         accs.append(((logits[:, :-1].argmax(-1) == p.argmax(-1)).float() * w).sum().item() / max(w.sum().item() * B, 1))
         if s + 1 < steps:  # next step: pair j reads this step's output hidden of pair j - 1
-            h = out.hidden[:, s * T : (s + 1) * T]
+            h = out.hidden if incremental else out.hidden[:, s * T : (s + 1) * T]
             toks.append(tokens)
             hids.append(torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1))
     drafter.last_acc = accs
@@ -141,12 +148,12 @@ class TTTLoss(torch.nn.Module):
     """The drafter's weighted TTT loss as one module forward, so that DDP wraps it (its forward registers the
     gradient all-reduce); returns (loss, per-step losses, per-step top-1 agreement)."""
 
-    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, C: int):
+    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, C: int, incremental: bool = False):
         super().__init__()
-        self.drafter, self.steps, self.decay, self.C = drafter, steps, decay, C
+        self.drafter, self.steps, self.decay, self.C, self.incremental = drafter, steps, decay, C, incremental
 
     def forward(self, hidden, target_p, tokens: Tensor, loss_fn: Callable):
-        losses = ttt_losses(self.drafter, hidden, target_p, tokens, self.steps, self.C, loss_fn)
+        losses = ttt_losses(self.drafter, hidden, target_p, tokens, self.steps, self.C, loss_fn, self.incremental)
         return sum(self.decay**s * l for s, l in enumerate(losses)), torch.stack(losses), self.drafter.last_acc
 
 
@@ -236,7 +243,7 @@ def train_drafter(drafter: Eagle3Drafter, target: Transformer, tokens: Tensor, c
     log = extra.get("curve", torch.zeros(0, len(train_cols))).tolist()
     held = extra.get("heldout_curve", torch.zeros(0, len(held_cols))).tolist()
     taps, C = tuple(drafter.config.taps), target.config.cls_token_num
-    module = TTTLoss(drafter, cfg.ttt_steps, cfg.ttt_decay, C)
+    module = TTTLoss(drafter, cfg.ttt_steps, cfg.ttt_decay, C, cfg.ttt == "incremental")
     codebook = lid[0].to(device) if lid is not None else None
     model = torch.nn.parallel.DistributedDataParallel(module) if world > 1 else module
     gen = torch.Generator()
@@ -332,7 +339,7 @@ def heldout_ttt(drafter: Eagle3Drafter, target: Transformer, tokens: Tensor, con
             mass.append(target_p[:, s:].gather(-1, top).sum(-1).mean().item())
             return soft_ce(target_p, logits)
 
-        losses = ttt_losses(drafter, hidden, p, t, S, C, loss_and_mass)
+        losses = ttt_losses(drafter, hidden, p, t, S, C, loss_and_mass, cfg.ttt == "incremental")
         tot_l += torch.tensor([l.item() for l in losses]) * len(t)
         tot_a += torch.tensor(drafter.last_acc) * len(t)
         tot_m += torch.tensor(mass) * len(t)
