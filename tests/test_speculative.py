@@ -268,3 +268,37 @@ def test_compiled_decoding_equals_eager_greedy():
     with torch._dynamo.config.patch(error_on_recompile=True):
         for name, dec in decoders.items():
             assert torch.equal(dec(cond, greedy, torch.Generator().manual_seed(1))[0], ref), name
+
+
+@pytest.mark.parametrize("shape", ["sampled", "static"])
+def test_fixed_shape_drafting_equals_node_by_node(shape):
+    # a tree whose shape is fixed before drafting takes its expansion plan (static masks and inputs); the same tree,
+    # drafted node by node as a dynamic tree is (each node's mask row built from its parent's), comes out identical
+    from lisa.decoding import generate as G
+    from lisa.decoding.tree import branching_choices, sampled_tree, static_choices, static_tree, tree_shape
+
+    torch.manual_seed(0)
+    target = micro_gpt(vocab_size=16)
+    drafter = pair(target)
+    s = SamplingConfig(temperature=1.0, cfg_scale=2.0)
+    b = G.start(target, torch.tensor([1, 5]), s, None, None, None, extra_slots=20)
+    taps = tuple(drafter.config.taps)
+    drafter.setup_caches(b.GB, b.T + 24)
+    with torch.inference_mode():
+        first, out = G.prefill(target, b, s, torch.Generator().manual_seed(0), taps)
+        zero = torch.zeros(2, dtype=torch.long)
+        logits, hidden = G.commit_pairs(drafter, b, drafter.fuse([h[:, -1:] for h in out.hidden]), first[:, None],
+                                        zero, zero)
+        n = torch.ones(2, dtype=torch.long)
+        policy = "sample" if shape == "sampled" else "topk"
+        root = G._draft_dist(s, b.grammar, policy)(logits[:, None], n[:, None])[:, 0]
+        choices = branching_choices((3, 2, 1)) if shape == "sampled" else static_choices(3, 3, 8)
+        trees = []
+        for expander in ("fixed", "node"):
+            expand = (G._fixed_expander(drafter, b, tree_shape(choices), hidden, n, s, policy) if expander == "fixed"
+                      else G._node_expander(drafter, b, hidden, n, s, policy))
+            trees.append(sampled_tree(root, expand, choices, "wor", torch.Generator().manual_seed(7))
+                         if shape == "sampled" else static_tree(root, expand, choices))
+    a, c = trees
+    for field in ("tokens", "parents", "depth", "scores", "q"):
+        assert torch.equal(getattr(a, field), getattr(c, field)), field

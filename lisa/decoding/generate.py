@@ -589,8 +589,16 @@ def _draft_tree(drafter, b: Batch, root_logp, root_hidden, n, spec: SpecConfig, 
         if spec.draft == "sample":
             return sampled_tree(root_logp, expand, choices, spec.siblings, generator)
         return static_tree(root_logp, expand, choices)
+    expand = _node_expander(drafter, b, root_hidden, n, sampling, spec.draft, fuse)
+    return dynamic_tree(root_logp, expand, spec.depth, spec.top_k_draft, spec.total_tokens)
+
+
+def _node_expander(drafter, b: Batch, root_hidden: Tensor, n: Tensor, sampling: SamplingConfig, policy: str,
+                   fuse: bool = False) -> Callable[[object, Tensor], Tensor]:
+    """`expand(tree, pick)` for a tree of any shape (the dynamic one's depends on the drafts): `_expansion` per
+    level, each expanded node's mask row and output hidden state kept for its children."""
     step = fused(_expansion, fuse)
-    B, dev = root_logp.shape[0], root_logp.device
+    B, dev = n.shape[0], n.device
     Ld, H = drafter.cache_length, root_hidden.shape[-1]
     committed = torch.arange(Ld, device=dev)[None, :] < n[:, None]  # (B, Ld) the pairs every node sees
     # per expanded node: its drafter mask row (the committed pairs, its ancestors' pairs and its own; never the junk
@@ -601,11 +609,11 @@ def _draft_tree(drafter, b: Batch, root_logp, root_hidden, n, spec: SpecConfig, 
     def expand(tree, pick):
         logq, state["rows"], state["hid"] = step(drafter, tree.tokens, tree.parents, tree.depth, pick, state["rows"],
                                                  state["hid"], committed, root_hidden, n, state["used"], b.C,
-                                                 b.max_pos, b.use_cfg, sampling, b.grammar, spec.draft)
+                                                 b.max_pos, b.use_cfg, sampling, b.grammar, policy)
         state["used"] += pick.shape[1]
         return logq
 
-    return dynamic_tree(root_logp, expand, spec.depth, spec.top_k_draft, spec.total_tokens)
+    return expand
 
 
 @dataclass(frozen=True, eq=False)
