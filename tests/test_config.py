@@ -5,6 +5,7 @@ import pytest
 import yaml
 
 from lisa.config import ConfigError, load_params, parse_params, profile_text
+from lisa.decoding.sampling import sampling_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -97,7 +98,7 @@ def resolved(params) -> dict:
         for key in path:
             section = getattr(section, key)
         for name, world in params.worlds.items():
-            out[".".join(path), name] = world.sampling_config(section)
+            out[".".join(path), name] = sampling_config(world, section)
     return out
 
 
@@ -144,7 +145,7 @@ def test_sampling_default_section_and_world_order():
     fashion, emoji = p.world("fashion-c2i"), p.world("emoji-t2i")
     assert (p.sample.temperature, p.sample.top_k, p.sample.top_p, p.sample.cfg_scale) == (0.5, 3, 0.8, 5.0)
     assert (p.evaluate.cfg_scale, p.evaluate.top_k, p.table.top_k) == (6.0, 16, 3)
-    assert fashion.sampling_config(p.evaluate).top_k == 7 and emoji.sampling_config(p.evaluate).top_k == 16
+    assert sampling_config(fashion, p.evaluate).top_k == 7 and sampling_config(emoji, p.evaluate).top_k == 16
     raw["worlds"]["fashion-c2i"]["sampling"] = {"cfg": 1.0}
     with pytest.raises(ConfigError, match="unknown keys"):
         parse_params(raw)
