@@ -6,6 +6,8 @@ each world is one target family with its tokenizer (the stages loop over worlds)
 CI, `real`; the default is params.yaml) live in lisa/profiles/. Validation uses pydantic dataclasses with extra
 keys forbidden. A decoding method is one type, `DecodeMethod` (its verifier options are checked at load); every
 sampling section inherits the top-level `sampling` values it does not set (`inherit_sampling`).
+The params are plain data: the code that reads them builds from them (lisa.decoding.generate.method_decoder,
+method_spec and tree_spec; lisa.decoding.sampling.sampling_config). `seed_for` is the one seed rule.
 """
 from __future__ import annotations
 
@@ -330,7 +332,7 @@ class LIDParams:
 class AblateLIDParams(SamplingParams, DraftTree):
     """LID against the baseline loss: two drafters trained from the same logit cache, with train_drafter's
     settings but `steps`, then their acceptance length under `exact` on sample.classes / sample.prompts (the
-    draft tree: DraftTree's keys, `spec_config("exact")`)."""
+    draft tree: DraftTree's keys, lisa.decoding.generate.tree_spec(p, "exact"))."""
     steps: Count = 300
     lid: LIDParams = Field(default_factory=LIDParams)
     per_class: Count = 2  # seeds per class / prompt for the acceptance measurement

@@ -181,3 +181,18 @@ def test_sizes_and_counts_are_checked_at_load(path, value, match):
     node[key] = value
     with pytest.raises(ConfigError, match=match):
         parse_params(raw)
+
+
+def test_one_seed_rule():
+    from lisa.config import seed_for
+    assert seed_for(0, 5) == 5 and seed_for(3, 2 * 7919 + 1) == 3 * 1_000_003 + 2 * 7919 + 1
+
+
+def test_methods_become_trees_where_the_loop_lives():
+    from lisa.config import DecodeMethod
+    from lisa.decoding.generate import SpecConfig, method_spec, tree_spec
+    assert method_spec(DecodeMethod()) is None and method_spec(DecodeMethod(method="sjd")) is None
+    m = DecodeMethod(method="exact", tree="dynamic", draft="sample", branching=[3, 1])
+    assert method_spec(m) == SpecConfig("exact", "dynamic", 4, 4, 16, "sample", "wor", (3, 1))
+    with pytest.raises(ValueError, match="auto"):
+        tree_spec(DecodeMethod(method="exact", tree="auto"), "exact")

@@ -268,3 +268,8 @@ def test_compiled_decoding_equals_eager_greedy():
     with torch._dynamo.config.patch(error_on_recompile=True):
         for name, dec in decoders.items():
             assert torch.equal(dec(cond, greedy, torch.Generator().manual_seed(1))[0], ref), name
+
+
+def test_pooled_tau_pools_the_live_rounds_of_every_decode():
+    from lisa.decoding.generate import pooled_tau
+    assert pooled_tau([{"accept_lengths": [[3, 1, 0], [2, 0, 0]]}, {"accept_lengths": [[4]]}]) == 10 / 4
