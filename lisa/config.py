@@ -6,6 +6,8 @@ each world is one target family with its tokenizer (the stages loop over worlds)
 CI, `real`; the default is params.yaml) live in lisa/profiles/. Validation uses pydantic dataclasses with extra
 keys forbidden. A decoding method is one type, `DecodeMethod` (its verifier options are checked at load); every
 sampling section inherits the top-level `sampling` values it does not set (`inherit_sampling`).
+The params are plain data: the code that reads them builds from them (lisa.decoding.generate.method_decoder,
+method_spec and tree_spec; lisa.decoding.sampling.sampling_config). `seed_for` is the one seed rule.
 """
 from __future__ import annotations
 
@@ -15,15 +17,13 @@ import itertools
 import typing
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Callable, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 import yaml
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, ValidationInfo, field_validator
 from pydantic.dataclasses import dataclass
 
 from lisa.decoding import verify
-from lisa.decoding.generate import SpecConfig, decoder
-from lisa.decoding.sampling import SamplingConfig
 from lisa.models.gpt import GPTConfig, gpt_config
 from lisa.models.vq import VQConfig, vq_config
 
@@ -36,6 +36,12 @@ Share = Annotated[float, Field(ge=0.0, le=1.0)]
 
 class ConfigError(ValueError):
     """params.yaml (or a profile) does not fit the schema; the message names the file, section and key."""
+
+
+def seed_for(seed: int, i: int) -> int:
+    """The seed of the i-th generator drawn from a params `seed` (a batch, a training step, a shard, a timed run):
+    every torch.Generator of the pipeline is seeded with this rule."""
+    return seed * 1_000_003 + i
 
 
 @dataclass(config=STRICT)
@@ -67,11 +73,6 @@ class WorldParams:
         if unknown:
             raise ValueError(f"worlds.<world>.sampling: unknown keys {unknown}; known: {sorted(SAMPLING_KEYS)}")
         return v
-
-    def sampling_config(self, section: "Sampling") -> SamplingConfig:
-        """The SamplingConfig of a sampling section, with this world's own `sampling` values over it."""
-        v = {k: (self.sampling or {}).get(k, getattr(section, k)) for k in SAMPLING_KEYS}
-        return SamplingConfig(float(v["temperature"]), int(v["top_k"]), float(v["top_p"]), float(v["cfg_scale"]))
 
     def gpt_config(self) -> GPTConfig:
         return gpt_config(**self.target)
@@ -180,13 +181,6 @@ class DraftTree:
     siblings: Literal["wor", "iid"] = "wor"  # sampled siblings: without replacement | i.i.d.
     branching: list[Count] = Field(default_factory=list)  # sampled trees: children per node per level, e.g. [3, 2, 1, 1]
 
-    def spec_config(self, verifier: str) -> SpecConfig:
-        """The tree as the decode loop reads it; tree "auto" must be resolved first (lisa.bench.speed.auto_tree)."""
-        if self.tree == "auto":
-            raise ValueError("tree 'auto' is resolved by the cost model before decoding (lisa.bench.speed.auto_tree)")
-        return SpecConfig(verifier, self.tree, self.depth, self.top_k_draft, self.total_tokens, self.draft,
-                          self.siblings, tuple(self.branching))
-
 
 @dataclass(config=STRICT)
 class DecodeMethod(DraftTree, _Method):
@@ -215,16 +209,6 @@ class DecodeMethod(DraftTree, _Method):
     def verifier_options(self):
         """The typed options of the method's verifier (None for vanilla)."""
         return None if self.method == "vanilla" else verify.verifier_options(self.method, self.options)
-
-    def spec(self) -> Optional[SpecConfig]:
-        """The SpecConfig of a tree-verified method, None for vanilla / sjd / gsd."""
-        return self.spec_config(self.method) if self.drafts_tree else None
-
-    def decoder(self, target, drafter=None, geometry=None, measure: bool = False, compile: bool = False) -> Callable:
-        """(cond, sampling, generator, cond_mask=None, forced=None) -> (tokens, stats) decoding with this method
-        (lisa.decoding.generate.decoder; compile: the forwards under torch.compile)."""
-        return decoder(target, self.method, drafter, self.spec(), self.window, geometry, self.verifier_options(),
-                       measure, compile)
 
 
 @dataclass(config=STRICT)
@@ -349,7 +333,7 @@ class LIDParams:
 class AblateLIDParams(SamplingParams, DraftTree):
     """LID against the baseline loss: two drafters trained from the same logit cache, with train_drafter's
     settings but `steps`, then their acceptance length under `exact` on sample.classes / sample.prompts (the
-    draft tree: DraftTree's keys, `spec_config("exact")`)."""
+    draft tree: DraftTree's keys, lisa.decoding.generate.tree_spec(p, "exact"))."""
     steps: Count = 300
     lid: LIDParams = Field(default_factory=LIDParams)
     per_class: Count = 2  # seeds per class / prompt for the acceptance measurement

@@ -54,3 +54,13 @@ def test_importing_every_module_loads_no_orchestration():
     code = ("import sys\n" + "".join(f"import {m}\n" for m in mods) +
             f"bad = [m for m in sys.modules if m.split('.')[0] in {FORBIDDEN!r}]\nprint(bad)\nassert not bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_config_builds_nothing_from_decoding_nor_models():
+    """lisa/config.py is params as plain data: the code that reads a section builds its decoder, tree and sampling
+    config. What it still imports of the core validates at load (issue 36): the verifier registry (method names and
+    options) and the model presets (world sizes)."""
+    validators = ("lisa.decoding.verify", "lisa.models.gpt", "lisa.models.vq")
+    bad = [n for n in imports(LISA / "config.py") if n.startswith(("lisa.decoding", "lisa.models"))
+           and n != "lisa.decoding" and not any(n == v or n.startswith(v + ".") for v in validators)]
+    assert not bad, bad

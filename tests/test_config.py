@@ -5,6 +5,7 @@ import pytest
 import yaml
 
 from lisa.config import ConfigError, load_params, parse_params, profile_text
+from lisa.decoding.sampling import sampling_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -97,7 +98,7 @@ def resolved(params) -> dict:
         for key in path:
             section = getattr(section, key)
         for name, world in params.worlds.items():
-            out[".".join(path), name] = world.sampling_config(section)
+            out[".".join(path), name] = sampling_config(world, section)
     return out
 
 
@@ -144,7 +145,7 @@ def test_sampling_default_section_and_world_order():
     fashion, emoji = p.world("fashion-c2i"), p.world("emoji-t2i")
     assert (p.sample.temperature, p.sample.top_k, p.sample.top_p, p.sample.cfg_scale) == (0.5, 3, 0.8, 5.0)
     assert (p.evaluate.cfg_scale, p.evaluate.top_k, p.table.top_k) == (6.0, 16, 3)
-    assert fashion.sampling_config(p.evaluate).top_k == 7 and emoji.sampling_config(p.evaluate).top_k == 16
+    assert sampling_config(fashion, p.evaluate).top_k == 7 and sampling_config(emoji, p.evaluate).top_k == 16
     raw["worlds"]["fashion-c2i"]["sampling"] = {"cfg": 1.0}
     with pytest.raises(ConfigError, match="unknown keys"):
         parse_params(raw)
@@ -180,3 +181,18 @@ def test_sizes_and_counts_are_checked_at_load(path, value, match):
     node[key] = value
     with pytest.raises(ConfigError, match=match):
         parse_params(raw)
+
+
+def test_one_seed_rule():
+    from lisa.config import seed_for
+    assert seed_for(0, 5) == 5 and seed_for(3, 2 * 7919 + 1) == 3 * 1_000_003 + 2 * 7919 + 1
+
+
+def test_methods_become_trees_where_the_loop_lives():
+    from lisa.config import DecodeMethod
+    from lisa.decoding.generate import SpecConfig, method_spec, tree_spec
+    assert method_spec(DecodeMethod()) is None and method_spec(DecodeMethod(method="sjd")) is None
+    m = DecodeMethod(method="exact", tree="dynamic", draft="sample", branching=[3, 1])
+    assert method_spec(m) == SpecConfig("exact", "dynamic", 4, 4, 16, "sample", "wor", (3, 1))
+    with pytest.raises(ValueError, match="auto"):
+        tree_spec(DecodeMethod(method="exact", tree="auto"), "exact")

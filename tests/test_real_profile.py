@@ -8,6 +8,7 @@ import pytest
 from lisa.data import datasets as data
 from lisa.cli import main
 from lisa.config import SampleParams, WorldParams, load_params, profile_text
+from lisa.decoding.sampling import sampling_config
 from lisa.bench.estimate import estimate_world
 
 
@@ -47,7 +48,7 @@ def test_coco_prompts_longest_caption_per_image(tmp_path):
 def test_world_sampling_overrides_section():
     w = WorldParams(target={"preset": "GPT-micro"}, tokenizer={"preset": "VQ-micro"},
                     sampling={"cfg_scale": 3.0, "top_k": 2000})
-    s = w.sampling_config(SampleParams(temperature=0.5, cfg_scale=7.0))
+    s = sampling_config(w, SampleParams(temperature=0.5, cfg_scale=7.0))
     assert (s.cfg_scale, s.top_k, s.temperature) == (3.0, 2000, 0.5)
     with pytest.raises(ValueError, match="unknown keys"):
-        WorldParams(target={}, tokenizer={}, sampling={"cfg": 1.0}).sampling_config(SampleParams())
+        sampling_config(WorldParams(target={}, tokenizer={}, sampling={"cfg": 1.0}), SampleParams())

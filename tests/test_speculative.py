@@ -302,3 +302,8 @@ def test_fixed_shape_drafting_equals_node_by_node(shape):
     a, c = trees
     for field in ("tokens", "parents", "depth", "scores", "q"):
         assert torch.equal(getattr(a, field), getattr(c, field)), field
+
+
+def test_pooled_tau_pools_the_live_rounds_of_every_decode():
+    from lisa.decoding.generate import pooled_tau
+    assert pooled_tau([{"accept_lengths": [[3, 1, 0], [2, 0, 0]]}, {"accept_lengths": [[4]]}]) == 10 / 4

@@ -23,8 +23,9 @@ import torch
 from tqdm import tqdm
 
 from lisa.bench.regime import machine
+from lisa.config import seed_for
 from lisa.decoding import costmodel, verify
-from lisa.decoding.generate import SpecConfig, generate, speculative_generate
+from lisa.decoding.generate import SpecConfig, generate, pooled_tau, speculative_generate
 from lisa.decoding.sampling import SamplingConfig
 from lisa.models.drafter import DrafterConfig, Eagle3Drafter
 from lisa.models.gpt import Transformer
@@ -150,7 +151,7 @@ def replay_bench(rc: ReplayConfig, report: dict, target_config, device: Optional
             per_pass = {x: 0.0 for x in runs}
             for ci, cond in enumerate(conds):
                 for name, mode in order:
-                    gen = torch.Generator(device=dev).manual_seed(rc.seed * 1_000_003 + ci * 7919 + r)
+                    gen = torch.Generator(device=dev).manual_seed(seed_for(rc.seed, ci * 7919 + r))
                     costmodel.sync(dev)
                     t0 = time.perf_counter()
                     _, st = decode(name, mode, cond, gen)
@@ -184,8 +185,7 @@ def replay_bench(rc: ReplayConfig, report: dict, target_config, device: Optional
         if name == "vanilla":
             row |= {"tau": 1.0, "round_ms": ms / max(forwards, 1), "bare_round_ms": 1000 * t[1]}
         else:
-            lengths = [a for x in sts for rw in x["accept_lengths"] for a in rw if a > 0]
-            tau = sum(lengths) / len(lengths)
+            tau = pooled_tau(sts)
             bare_round = t[specs[name].nodes + 1] + calls[name] * q[widths[name]]
             row |= {"tau": tau, "report_tau": entries[name]["tau"], "round_ms": ms / max(forwards, 1),
                     "bare_round_ms": 1000 * bare_round, "drafter_calls_per_round": calls[name],

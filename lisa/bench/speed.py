@@ -15,9 +15,11 @@ from typing import Callable, Optional, Sequence
 import torch
 from tqdm import tqdm
 
+from lisa.config import seed_for
 from lisa.decoding import costmodel, verify
 from lisa.decoding.costmodel import sync
-from lisa.decoding.generate import Clock, generate, prefix_embeddings, speculative_generate
+from lisa.decoding.generate import (Clock, generate, method_decoder, method_spec, pooled_tau, prefix_embeddings,
+                                    speculative_generate)
 from lisa.decoding.generate import compiled as compiled_model
 from lisa.models.gpt import Transformer
 from lisa.decoding.sampling import SamplingConfig
@@ -237,7 +239,7 @@ def forward_size(m) -> int:
     nodes, or last + window."""
     if m.method == "vanilla":
         return 1
-    return m.spec().nodes + 1 if m.drafts_tree else m.window + 1
+    return method_spec(m).nodes + 1 if m.drafts_tree else m.window + 1
 
 
 def breakdown_pass(target: Transformer, drafters: dict, decoders: dict, methods: list, conditions: list[dict],
@@ -260,7 +262,7 @@ def breakdown_pass(target: Transformer, drafters: dict, decoders: dict, methods:
         for ci, c in enumerate(conditions):  # methods interleaved per condition: a slow spell hits them all alike
             for m in methods:
                 tot = totals[m.name]
-                gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + ci * 7919)
+                gen = torch.Generator(device=device).manual_seed(seed_for(seed, ci * 7919))
                 for t in timers.values():
                     t.reset()
                 clock = Clock(device)
@@ -338,7 +340,7 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
                 cmethods[m.name] = resolve_auto(m, cpicked[m.name])
             methods[i] = resolve_auto(m, picked[m.name])
 
-    decoders = {m.name: m.decoder(target, drafter_of(m), geometry) for m in methods}
+    decoders = {m.name: method_decoder(m, target, drafter_of(m), geometry) for m in methods}
     methods_by = {m.name: m for m in methods}
     names = [m.name for m in methods]
     unknown = sorted(set(compiled) - set(names))
@@ -349,7 +351,7 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
         raise ValueError("bench_spec.compiled needs a vanilla method: compiled rows are timed against compiled vanilla")
     compiled = [n for n in names if n in set(compiled) | ({vanilla} if compiled else set())]
     cmethods = {m.name: cmethods.get(m.name, m) for m in methods if m.name in compiled}  # what each compiled row runs
-    cdecoders = {n: cm.decoder(target, drafter_of(cm), geometry, compile=True) for n, cm in cmethods.items()}
+    cdecoders = {n: method_decoder(cm, target, drafter_of(cm), geometry, compile=True) for n, cm in cmethods.items()}
     entries = [(m, "eager") for m in methods] + [(m, "compiled") for m in methods if m.name in compiled]
     runs = {(m.name, mode): [] for m, mode in entries}  # per (pass >= warmup, condition): time and stats
     first_call = {}  # compiled: the wall time of each method's first call (its graphs compile there)
@@ -361,7 +363,7 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
         order = entries[r % len(entries):] + entries[: r % len(entries)]
         for ci, c in enumerate(conditions):
             for m, mode in order:
-                gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + ci * 7919 + r)
+                gen = torch.Generator(device=device).manual_seed(seed_for(seed, ci * 7919 + r))
                 dec = (decoders if mode == "eager" else cdecoders)[m.name]
                 sync(device)
                 t0 = time.perf_counter()
@@ -391,14 +393,16 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
         parts = breakdown_pass(target, drafters, decoders, methods, conditions, sampling, seed, device, bar)
         calls = {m.name: parts[m.name]["drafter_calls"] / parts[m.name]["forwards"] if m.drafts_tree else 0.0
                  for m in methods}
-        widths = {m.name: (getattr(m, "drafter", "release"), max(1, math.ceil(m.spec().drafted_pairs / calls[m.name])))
+        widths = {m.name: (getattr(m, "drafter", "release"),
+                           max(1, math.ceil(method_spec(m).drafted_pairs / calls[m.name])))
                   for m in methods if m.drafts_tree and drafter_of(m) is not None and calls[m.name] > 0}
         bare_d = {w: [] for w in set(widths.values())}
         # compiled: the same bare forwards under torch.compile (the compiled loops' limit); first calls compile here.
         # A compiled row that drafts another tree than its eager one (auto) makes a drafter call per level
-        ccalls = {n: calls[n] if cm.spec() == methods_by[n].spec() else float(cm.spec().max_depth)
+        ccalls = {n: calls[n] if method_spec(cm) == method_spec(methods_by[n]) else float(method_spec(cm).max_depth)
                   for n, cm in cmethods.items() if cm.drafts_tree}
-        cwidth_of = {n: (getattr(cm, "drafter", "release"), max(1, math.ceil(cm.spec().drafted_pairs / ccalls[n])))
+        cwidth_of = {n: (getattr(cm, "drafter", "release"),
+                         max(1, math.ceil(method_spec(cm).drafted_pairs / ccalls[n])))
                      for n, cm in cmethods.items() if n in ccalls and drafter_of(cm) is not None and ccalls[n] > 0}
         csizes = sorted({forward_size(cm) for cm in cmethods.values()})
         cwidths = set(cwidth_of.values())
@@ -449,9 +453,8 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
         per_pass = [sum(x["wall_s"] for x in rs if x["pass"] == p) for p in range(repeats)]
         wall = statistics.median(per_pass)
         forwards = sum(x["forwards"] for x in rs)
-        lengths = [a for x in rs for row in x["accept_lengths"] for a in row if a > 0]
         hist = {}
-        for a in lengths:
+        for a in (a for x in rs for row in x["accept_lengths"] for a in row if a > 0):
             hist[a] = hist.get(a, 0) + 1
         loop_per_forward = sum(x["wall_s"] for x in rs) / forwards
         part = parts[m.name]
@@ -461,14 +464,14 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
         limit = bare[s] + drafter_limit(m)
         report_methods.append({
             "name": m.name, "method": m.method, "tree": m.tree if m.drafts_tree else None,
-            "tree_desc": m.spec().describe() if m.drafts_tree else (f"window {m.window}" if m.method != "vanilla"
+            "tree_desc": method_spec(m).describe() if m.drafts_tree else (f"window {m.window}" if m.method != "vanilla"
                                                                     else "-"),
             "draft": m.draft if m.drafts_tree else None, "siblings": m.siblings if m.drafts_tree else None,
             "branching": list(m.branching) if m.drafts_tree else None,
             "depth": m.depth, "top_k_draft": m.top_k_draft, "total_tokens": m.total_tokens, "window": m.window,
             "options": dict(m.options), "auto": picked[m.name].as_dict() if m.name in picked else None,
             "ms_per_image": 1000 * wall / images,
-            "tau": sum(lengths) / len(lengths),
+            "tau": pooled_tau(rs),
             "target_forwards_per_image": forwards / (repeats * images) if m.method != "vanilla" else float(T),
             "accept_hist": {int(k): v for k, v in sorted(hist.items())},
             "forward_tokens": s,
@@ -492,11 +495,10 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
         })
         for ci, c in enumerate(conditions):
             xs = [x for x in rs if x["condition"] == ci]
-            ls = [a for x in xs for row in x["accept_lengths"] for a in row if a > 0]
             per_condition.append({"condition": c["label"], "method": m.name,
                                   "ms_per_image": 1000 * statistics.median(x["wall_s"] for x in xs)
                                   / c["cond"].shape[0],
-                                  "tau": sum(ls) / len(ls)})
+                                  "tau": pooled_tau(xs)})
     if vanilla is not None:
         base = next(x for x in report_methods if x["name"] == vanilla)["ms_per_image"]
         for x in report_methods:
@@ -513,7 +515,7 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
             "compiled": compiled_rows(runs, report_methods, first_call, images, repeats, vanilla, {
                 n: statistics.median(cbare_t[forward_size(cm)]) + (
                     ccalls[n] * statistics.median(cbare_d[cwidth_of[n]]) if n in cwidth_of else 0.0)
-                for n, cm in cmethods.items()}, {n: (cm.spec().describe(), cpicked[n].as_dict())
+                for n, cm in cmethods.items()}, {n: (method_spec(cm).describe(), cpicked[n].as_dict())
                                                  for n, cm in cmethods.items() if n in cpicked}),
             "throughput": tput, "drafter_step": step}
 
@@ -538,7 +540,6 @@ def compiled_rows(runs: dict, eager: list[dict], first_call: dict, images: int, 
         rs = runs[e["name"], "compiled"]
         ci, first = first_call[e["name"]]
         steady = statistics.median(x["wall_s"] for x in rs if x["condition"] == ci)
-        lengths = [a for x in rs for row in x["accept_lengths"] for a in row if a > 0]
         ms = per_image(e["name"], "compiled")
         per_forward = sum(x["wall_s"] for x in rs) / sum(x["forwards"] for x in rs)
         lim = (limit or {}).get(e["name"])
@@ -547,7 +548,7 @@ def compiled_rows(runs: dict, eager: list[dict], first_call: dict, images: int, 
                     "limit_ms_per_forward": 1000 * lim if lim else None,
                     "loop_to_limit": per_forward / lim if lim else None,
                     "ms_per_image": ms, "speedup": base / ms, "compiled_over_eager": e["ms_per_image"] / ms,
-                    "tau": sum(lengths) / len(lengths), "eager_tau": e["tau"], "compile_s": max(first - steady, 0.0),
+                    "tau": pooled_tau(rs), "eager_tau": e["tau"], "compile_s": max(first - steady, 0.0),
                     "ms_per_image_all": [1000 * sum(x["wall_s"] for x in rs if x["pass"] == p) / images
                                          for p in range(repeats)]}
                    | ({"tree_desc": auto[e["name"]][0], "auto": auto[e["name"]][1]} if e["name"] in (auto or {})
@@ -569,7 +570,7 @@ def bench_throughput(target: Transformer, drafter_of: Callable, methods: list, c
     pool = [(c["cond"][i : i + 1], None if c.get("cond_mask") is None else c["cond_mask"][i : i + 1])
             for c in conditions for i in range(c["cond"].shape[0])]
     entries = [(n, "eager") for n in tp.methods] + [(n, "compiled") for n in tp.methods if tp.compiled and n in compiled]
-    decs = {(n, mode): by_name[n].decoder(target, drafter_of(by_name[n]), geometry, compile=mode == "compiled")
+    decs = {(n, mode): method_decoder(by_name[n], target, drafter_of(by_name[n]), geometry, compile=mode == "compiled")
             for n, mode in entries}
     times = {(b, n, mode): [] for b in tp.batch_sizes for n, mode in entries}
     taus = {}
@@ -583,7 +584,7 @@ def bench_throughput(target: Transformer, drafter_of: Callable, methods: list, c
             for r in range(tp.repeats + 1):
                 order = entries[r % len(entries):] + entries[: r % len(entries)]
                 for n, mode in order:
-                    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + b * 7919 + r)
+                    gen = torch.Generator(device=device).manual_seed(seed_for(seed, b * 7919 + r))
                     sync(device)
                     t0 = time.perf_counter()
                     _, stats = decs[n, mode](cond, sampling, gen, cond_mask=mask)
@@ -620,16 +621,16 @@ def auto_tree(target: Transformer, drafter, conditions: list[dict], m, sampling:
     full = k + (D - 1) * k * k  # every node a depth-D dynamic tree drafts
     small = min(s for s in auto.sizes if s >= 2)
     topk = replace(m, draft="topk", branching=[])
-    widest = replace(m, tree="dynamic", draft="sample", branching=[k] + [1] * (D - 1)).spec()
-    specs = [(widest, "sample"), (replace(topk, tree="dynamic", depth=2, total_tokens=small).spec(), None)]
+    widest = method_spec(replace(m, tree="dynamic", draft="sample", branching=[k] + [1] * (D - 1)))
+    specs = [(widest, "sample"), (method_spec(replace(topk, tree="dynamic", depth=2, total_tokens=small)), None)]
     if m.draft != "sample":
-        specs.insert(0, (replace(topk, tree="dynamic", depth=D, total_tokens=full).spec(), "topk"))
+        specs.insert(0, (method_spec(replace(topk, tree="dynamic", depth=D, total_tokens=full)), "topk"))
     traces = {"topk": [], "sample": []}
     timed, vanilla_steps = [], []
     runs = [(r, ci, c) for r in range(2) for ci, c in enumerate(conditions)]  # pass 0 warms up
     mode = " compiled" if compile else ""
     for r, ci, c in tqdm(runs, desc=f"auto tree ({m.method}{mode})", unit="run", disable=not progress):
-        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + ci)
+        gen = torch.Generator(device=device).manual_seed(seed_for(seed, ci))
         sync(device)
         t0 = time.perf_counter()
         generate(target, c["cond"], sampling, gen, cond_mask=c.get("cond_mask"), compile=compile)
@@ -637,7 +638,7 @@ def auto_tree(target: Transformer, drafter, conditions: list[dict], m, sampling:
         if r:
             vanilla_steps.append((time.perf_counter() - t0) / target.config.block_size)
         for spec, traced in specs:
-            gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + ci)
+            gen = torch.Generator(device=device).manual_seed(seed_for(seed, ci))
             rounds: list = []
             sync(device)
             t0 = time.perf_counter()

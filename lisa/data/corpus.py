@@ -40,6 +40,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from lisa.checkpoint import atomic_write, file_sha256, write_json
+from lisa.config import seed_for
 
 LAION_COCO_COLUMNS = ("URL", "TEXT", "top_caption", "all_captions", "all_similarities", "WIDTH", "HEIGHT",
                       "similarity", "hash", "pwatermark", "punsafe")
@@ -313,7 +314,7 @@ def build_self_generated(target, target_sha256: str, cond: torch.Tensor, labels:
     t2i, lm = cond.dim() == 3, cond.dim() == 2  # caption features / prompt ids (lm targets)
 
     def make_shard(start: int, stop: int) -> pa.Table:
-        g = torch.Generator().manual_seed(seed * 1_000_003 + start)
+        g = torch.Generator().manual_seed(seed_for(seed, start))
         codes = torch.cat([generate(target, cond[b : min(b + batch_size, stop)], sampling, g)[0]
                            for b in range(start, stop, batch_size)])
         return table_of([f"{i:08d}" for i in range(start, stop)], captions[start:stop], labels[start:stop],

@@ -19,11 +19,12 @@ import dataclasses
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, TypedDict
+from typing import Callable, Iterable, Optional, TypedDict
 
 import torch
 from torch import Tensor
 
+from lisa.config import DecodeMethod, DraftTree
 from lisa.models.gpt import GPTOutput, Transformer
 from lisa.decoding import jacobi, verify
 from lisa.decoding.fused import fused
@@ -113,6 +114,13 @@ class DecodeStats(TypedDict, total=False):
     tau: float  # tokens emitted per target forward after the prefill, bonus token included
     accept_lengths: list[list[int]]  # (B, rounds): tokens each row kept per round, 0 once it was finished
     tv: Tensor  # (B, T) TV between each token's law and the target's p there (measure=True; 0 at the prefill token)
+
+
+def pooled_tau(stats: Iterable[DecodeStats]) -> float:
+    """tau over several decodes: their rows' live rounds pooled (the mean accept length, bonus token included), as
+    the benchmarks report it; DecodeStats.tau is one decode's."""
+    lengths = [a for s in stats for row in s["accept_lengths"] for a in row if a > 0]
+    return sum(lengths) / len(lengths)
 
 
 class Clock:
@@ -806,7 +814,7 @@ def decoder(target: Transformer, method: str = "vanilla", drafter=None, spec: Op
     (greedy / exact / lantern / ... with an EAGLE-3 `drafter` and a `spec` tree; sjd / gsd run drafter-free over a
     `window`). Relaxed verifiers read `geometry` (lisa.decoding.verify.Geometry) and their knobs from `options` (a
     dict or the verifier's typed options, checked here). compile: the models' forwards under torch.compile
-    (`compiled`). stats: DecodeStats. lisa.config.DecodeMethod.decoder builds one from params.yaml."""
+    (`compiled`). stats: DecodeStats. method_decoder builds one from a params.yaml method."""
     if method == "vanilla":
         return lambda c, s, g, cond_mask=None, forced=None, clock=None: generate(target, c, s, g, cond_mask=cond_mask,
                                                                       forced=forced, compile=compile)
@@ -824,3 +832,25 @@ def decoder(target: Transformer, method: str = "vanilla", drafter=None, spec: Op
     return lambda c, s, g, cond_mask=None, forced=None, clock=None: speculative_generate(
         target, drafter, c, s, spec, g, cond_mask=cond_mask, geometry=geometry, options=options, forced=forced,
         measure=measure, clock=clock, compile=compile)
+
+
+def tree_spec(tree: DraftTree, verifier: str) -> SpecConfig:
+    """A params.yaml draft tree (a method's, ablate-lid's, ablate-arch's) as the decode loop reads it; tree "auto"
+    must be resolved first (lisa.bench.speed.auto_tree)."""
+    if tree.tree == "auto":
+        raise ValueError("tree 'auto' is resolved by the cost model before decoding (lisa.bench.speed.auto_tree)")
+    return SpecConfig(verifier, tree.tree, tree.depth, tree.top_k_draft, tree.total_tokens, tree.draft, tree.siblings,
+                      tuple(tree.branching))
+
+
+def method_spec(m: DecodeMethod) -> Optional[SpecConfig]:
+    """The SpecConfig of a tree-verified method, None for vanilla / sjd / gsd."""
+    return tree_spec(m, m.method) if m.drafts_tree else None
+
+
+def method_decoder(m: DecodeMethod, target: Transformer, drafter=None, geometry=None, measure: bool = False,
+                   compile: bool = False) -> Callable:
+    """`decoder` for a params.yaml decoding method: (cond, sampling, generator, cond_mask=None, forced=None) ->
+    (tokens, stats) (compile: the forwards under torch.compile)."""
+    return decoder(target, m.method, drafter, method_spec(m), m.window, geometry, m.verifier_options(), measure,
+                   compile)

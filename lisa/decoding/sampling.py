@@ -7,7 +7,7 @@ Sampling takes an explicit `torch.Generator` and makes no host sync (the exponen
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
@@ -36,6 +36,14 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def sampling_config(world, section) -> SamplingConfig:
+    """The SamplingConfig of a params.yaml sampling section (lisa.config.Sampling), with the world's own `sampling`
+    values (lisa.config.WorldParams.sampling) over it."""
+    own = world.sampling or {}
+    v = {f.name: own.get(f.name, getattr(section, f.name)) for f in fields(SamplingConfig)}
+    return SamplingConfig(float(v["temperature"]), int(v["top_k"]), float(v["top_p"]), float(v["cfg_scale"]))
 
 
 def cfg_logits(logits: Tensor, scale: float) -> Tensor:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from lisa.checkpoint import load_artifact
-from lisa.config import TrainJudgeParams
+from lisa.config import TrainJudgeParams, seed_for
 from lisa.models.presets import build_config
 from lisa.training.loops import load_resume, lr_at, save_resume
 
@@ -144,7 +144,7 @@ def train_judge(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, ca
     bar = tqdm(range(step, cfg.steps), initial=step, total=cfg.steps, desc=f"train {model.config.kind}",
                disable=not progress)
     for step in bar:
-        gen.manual_seed(cfg.seed * 1_000_003 + step)  # the batch depends only on (seed, step): resumable
+        gen.manual_seed(seed_for(cfg.seed, step))  # the batch depends only on (seed, step): resumable
         idx = torch.randint(0, len(images), (cfg.batch_size,), generator=gen)
         x = _augment(images[idx], gen)
         for g in opt.param_groups:

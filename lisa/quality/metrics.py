@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from lisa.quality import fid
 from lisa.checkpoint import atomic_write, read_state_dict
+from lisa.config import seed_for
 from lisa.decoding.generate import generate
 from lisa.decoding.sampling import SamplingConfig
 
@@ -67,7 +68,7 @@ def generate_samples(model, conds: torch.Tensor, sampling: SamplingConfig, batch
     """Vanilla samples for each condition, batch by batch; batch i uses generator seed (seed, i)."""
     out = []
     for i, batch in enumerate(tqdm(conds.split(batch_size), desc="sample", unit="batch", disable=not progress)):
-        tokens, _ = generate(model, batch, sampling, torch.Generator().manual_seed(seed * 1_000_003 + i))
+        tokens, _ = generate(model, batch, sampling, torch.Generator().manual_seed(seed_for(seed, i)))
         out.append(tokens)
     return torch.cat(out)
 

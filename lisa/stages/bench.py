@@ -11,6 +11,7 @@ import torch
 from lisa.bench.speed import bench_speculative, bench_vanilla, markdown_table, speculative_markdown
 from lisa.checkpoint import atomic_write_all, json_writer, read_json
 from lisa.config import BenchMethod, BenchParams, BenchSpecParams, SampleParams, ScoreboardParams, WorldParams
+from lisa.decoding.sampling import sampling_config
 from lisa.models.gpt import Transformer, gpt_config
 from lisa.models.llamagen import load_target, load_tokenizer
 from lisa.stages.common import (calibration_sha, check_pair, class_names, load_geometry, method_drafters,
@@ -108,7 +109,7 @@ def bench_spec(world: WorldParams, sample_p: SampleParams, p: BenchSpecParams, p
     drafters = method_drafters(methods, {"release": paths.drafter_file, "lid": paths.lid_drafter_file}, target_meta)
     geometry = load_geometry(model, target_meta, vq, methods, p.neighbours, paths.calibration_file)
     conditions, text_ms = _bench_conditions(world, cfg, sample_p, p, paths.target_file)
-    sampling = world.sampling_config(p)  # the world's own values over the section's
+    sampling = sampling_config(world, p)  # the world's own values over the section's
 
     def vq_decode(tokens):
         with torch.inference_mode():

@@ -13,6 +13,7 @@ import torch
 
 from lisa.checkpoint import read_state_dict, write_json
 from lisa.config import CorporaParams, SelfGeneratedParams, WorldParams
+from lisa.decoding.sampling import sampling_config
 from lisa.models.llamagen import load_target, load_tokenizer
 from lisa.stages.common import caption_cond, caption_encoder
 from lisa.stages.paths import Call, SharedPaths, Stage, WorldPaths
@@ -69,7 +70,7 @@ def build_self_generated(world: WorldParams, p: SelfGeneratedParams, paths: Worl
         idx = idx[torch.arange(p.n) % len(idx)]
         names = json.loads(paths.codes_file.with_suffix(".json").read_text())["captions"]
         cond, labels, captions = caption_cond(t, idx), [-1] * p.n, [names[i] for i in idx.tolist()]
-    sampling = world.sampling_config(p)  # the world's own values over the section's
+    sampling = sampling_config(world, p)  # the world's own values over the section's
     t0 = time.perf_counter()
     m = build(target, target_meta["sha256"], cond, labels, captions, sampling, p.seed, paths.self_generated_dir,
               batch_size=p.batch_size)

@@ -11,7 +11,7 @@ modules (lisa/stages/common.py, lisa/data/corpus.py) import for some of their fu
   module's file counts when one of its names is walked. Modules outside lisa/ are not followed.
 - A class brings its class-level code, its dunder and decorated methods (constructor, properties, validators), and
   the methods named by any attribute read in walked code (not counting `self.x` outside the class's module). The
-  params' classes (lisa/config.py) count as used by every stage: `world.gpt_config()` and `m.decoder(...)` reach
+  params' classes (lisa/config.py) count as used by every stage: `world.gpt_config()` and `m.verifier_options()` reach
   their methods by name.
 - lisa/config.py and lisa/stages/paths.py are deps of every stage: run_stage loads the params and builds the paths
   of each call. Loading the params (validators that check names against the decoding registry and the model

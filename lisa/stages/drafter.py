@@ -18,7 +18,9 @@ import torch.distributed as dist
 
 from lisa.checkpoint import file_sha256, save_artifact, write_json
 from lisa.config import (AblateArchParams, AblateLIDParams, CacheLogitsParams, CalibrateParams, SampleParams,
-                         TrainDrafterParams, WorldParams)
+                         TrainDrafterParams, WorldParams, seed_for)
+from lisa.decoding.generate import tree_spec
+from lisa.decoding.sampling import sampling_config
 from lisa.models.llamagen import load_target, load_tokenizer
 from lisa.stages.common import load_codes, target_codebook, text_conditions
 from lisa.stages.paths import Stage, WorldPaths
@@ -104,7 +106,7 @@ def _tau_exact(target, drafter, cond: torch.Tensor, sampling, spec, seed: int) -
     taus = []
     for i in range(len(cond)):
         _, stats = speculative_generate(target, drafter, cond[i : i + 1], sampling, spec,
-                                        torch.Generator().manual_seed(seed * 1_000_003 + i))
+                                        torch.Generator().manual_seed(seed_for(seed, i)))
         taus.append(stats["tau"])
     return taus
 
@@ -123,8 +125,8 @@ def ablate_lid(world: WorldParams, train_p: TrainDrafterParams, p: AblateLIDPara
     tp = dataclasses.replace(train_p, steps=p.steps)
     lid = (target_codebook(vq, target.config), LIDConfig(**dataclasses.asdict(p.lid)))
     cond = _conditions(world, target, sample_p, p.per_class)
-    sampling = world.sampling_config(p)  # the world's own values over the section's
-    spec = p.spec_config("exact")
+    sampling = sampling_config(world, p)  # the world's own values over the section's
+    spec = tree_spec(p, "exact")
     results = {}
     for name, loss in (("baseline", None), ("lid", lid)):
         torch.manual_seed(tp.seed)
@@ -180,13 +182,13 @@ def ablate_arch(world: WorldParams, train_p: TrainDrafterParams, p: AblateArchPa
               paths.arch_work / drafter, cache=lc, curves=paths.arch_report / drafter, target_id=target_meta["sha256"])
     model.eval()
     trainable = sum(x.numel() for x in model.parameters() if x.requires_grad)
-    sampling, spec = world.sampling_config(p), p.spec_config("exact")
+    sampling, spec = sampling_config(world, p), tree_spec(p, "exact")
     rows = 2 if sampling.use_cfg else 1  # a forward's rows for one image
     costs = step_costs(target, model, rows, sorted({1, max(p.branching or [p.top_k_draft])}), p.rounds)
 
     cond = _conditions(world, target, sample_p, p.per_class)
     vanilla, speculative = decoder(target), decoder(target, "exact", model, spec)
-    gen = lambda i: torch.Generator().manual_seed(p.seed * 1_000_003 + i)  # noqa: E731
+    gen = lambda i: torch.Generator().manual_seed(seed_for(p.seed, i))  # noqa: E731
     vanilla(cond[:1], sampling, gen(0)), speculative(cond[:1], sampling, gen(0))  # warm-up, untimed
     seconds, tokens, forwards = {"vanilla": 0.0, "exact": 0.0}, 0, 0
     for i in range(len(cond)):  # interleaved, the order alternating: a slow spell lands on both

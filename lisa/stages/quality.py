@@ -14,8 +14,10 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from lisa.checkpoint import atomic_write_all, json_writer, read_state_dict, save_artifact, write_json
-from lisa.config import EvaluateParams, QualityParams, TableParams, TrainJudgeParams, WorldParams
+from lisa.config import EvaluateParams, QualityParams, TableParams, TrainJudgeParams, WorldParams, seed_for
 from lisa.data import datasets as data
+from lisa.decoding.generate import method_decoder
+from lisa.decoding.sampling import sampling_config
 from lisa.models.llamagen import load_target, load_tokenizer
 from lisa.quality import fid, judges
 from lisa.quality import metrics as quality
@@ -146,7 +148,7 @@ def evaluate(world: WorldParams, p: EvaluateParams, q: QualityParams, paths: Wor
     """`num_samples` vanilla CFG samples (classes in turn, or held-out captions in turn): FID / KID against the
     held-out reference features, and the judge's score, next to the judge's score of real held-out images."""
     s = _scored(paths, p.num_samples)
-    sampling = world.sampling_config(p)  # the world's own values over the section's
+    sampling = sampling_config(world, p)  # the world's own values over the section's
     work = paths.quality_work / ("samples-" + _recipe_hash([s.target_meta["sha256"], s.vq_meta["sha256"], asdict(p)]
                                                            + ([world.sampling] if world.sampling else [])))
     timing = work / "tokens.json"  # the sampling time of the cached tokens, kept with them
@@ -182,7 +184,7 @@ def _method_decoder(s: _Scored, m, p: TableParams, paths: WorldPaths):
     if geometry is not None and geometry.calibration is not None:
         geometry.neighbours = geometry.calibration.neighbours
     drafter = drafters[m.drafter][0] if m.drafter in drafters else None
-    decode = m.decoder(s.model, drafter, geometry, measure=m.method != "vanilla", compile=p.compile)
+    decode = method_decoder(m, s.model, drafter, geometry, measure=m.method != "vanilla", compile=p.compile)
     return decode, drafters, geometry
 
 
@@ -192,7 +194,7 @@ def decode_conditions(decode, conds: torch.Tensor, sampling, batch_size: int, se
     every round of every row, the measured TV per image position and its mean past the first token, the time."""
     toks, taus, tvs, t0 = [], [], [], time.perf_counter()
     for i, batch in enumerate(tqdm(list(conds.split(batch_size)), desc=desc, unit="batch")):
-        tok, st = decode(batch, sampling, torch.Generator().manual_seed(seed * 1_000_003 + i))
+        tok, st = decode(batch, sampling, torch.Generator().manual_seed(seed_for(seed, i)))
         toks.append(tok)
         lengths = [a for row in st.get("accept_lengths", []) for a in row if a > 0]
         taus += lengths or [1] * tok.numel()
@@ -222,7 +224,7 @@ def eval_method(world: WorldParams, name: str, p: TableParams, q: QualityParams,
     m = p.cells[name].as_method(name)
     s = _scored(paths, p.num_samples)
     decode, drafters, geometry = _method_decoder(s, m, p, paths)
-    sampling = world.sampling_config(p)  # the world's own values over the section's
+    sampling = sampling_config(world, p)  # the world's own values over the section's
     drafter_sha = {k: meta["sha256"] for k, (_, meta) in drafters.items()}
     recipe = [s.target_meta["sha256"], s.vq_meta["sha256"], asdict(m),
               # compile enters the recipe only when set (its tokens may differ in the last bits of a logit)

@@ -8,6 +8,7 @@ import torch
 from lisa.checkpoint import atomic_write
 from lisa.data import datasets as data
 from lisa.data.images import grid_image
+from lisa.decoding.generate import method_spec
 from lisa.quality import metrics as quality
 
 
@@ -122,7 +123,7 @@ def describe_cell(c) -> str:
     if not c.drafts_tree:
         return f"window {c.window}"
     o = c.verifier_options()
-    tree = (c.spec().describe() if c.draft == "sample" else
+    tree = (method_spec(c).describe() if c.draft == "sample" else
             f"{c.tree} d{c.depth} top-{c.top_k_draft} {c.total_tokens} nodes")
     if c.method == "lantern":
         tree += f", k {o.k:g}, delta {o.delta:g}"

@@ -15,7 +15,8 @@ from lisa.config import AutoTreeParams, PremiseParams, SampleParams, WorldParams
 from lisa.data import datasets as data
 from lisa.data.images import grid_image
 from lisa.bench.speed import auto_tree, resolve_auto
-from lisa.decoding.sampling import SamplingConfig
+from lisa.decoding.generate import method_decoder
+from lisa.decoding.sampling import SamplingConfig, sampling_config
 from lisa.models.llamagen import load_drafter, load_target, load_tokenizer
 from lisa.quality.premise import premise_stats
 from lisa.stages.common import (check_pair, class_names, load_codes, load_geometry, target_codebook,
@@ -49,7 +50,7 @@ def sample(world: WorldParams, p: SampleParams, paths: WorldPaths) -> dict:
         raise ValueError(f"{paths.target_file} samples {cfg.free_vocab or cfg.vocab_size} codes but "
                          f"{paths.tokenizer_file} has codebook_size {vq.config.codebook_size}")
     rows, cond = _grid_rows(world, cfg, p, paths.target_file)
-    sampling = world.sampling_config(p)
+    sampling = sampling_config(world, p)
     gen = torch.Generator().manual_seed(p.seed)
     tokens, images, taus, decode_s, auto = [], [], [], 0.0, {}
     t0 = time.perf_counter()
@@ -106,7 +107,7 @@ def _decoder(model, vq, target_meta: dict, p: SampleParams, drafter_path, calib=
         if auto is not None:
             auto.update(draft=choice.draft, branching=choice.branching, depth=choice.depth,
                         total_tokens=choice.total_tokens, why=choice.why)
-    return p.decoder(model, drafter, geometry, compile=p.compile)
+    return method_decoder(p, model, drafter, geometry, compile=p.compile)
 
 
 def premise(p: PremiseParams, paths: WorldPaths) -> dict:

@@ -29,6 +29,7 @@ import torch
 from lisa.checkpoint import atomic_write_all, json_writer, read_json, write_json
 from lisa.config import DecodeMethod, QualityParams, ScoreboardParams, TableParams, WorldParams
 from lisa.data import datasets as data
+from lisa.decoding.sampling import sampling_config
 from lisa.quality import compare, fid, judges
 from lisa.quality import metrics as quality
 from lisa.stages.common import calibration_sha, load_images
@@ -75,7 +76,7 @@ def sweep(world: WorldParams, family: str, p: ScoreboardParams, paths: WorldPath
         raise ValueError(f"--family {family!r}: not a key of params scoreboard.families {sorted(p.families)}")
     fam = p.families[family]
     s = _scored(paths, p.sweep_images)
-    sampling = world.sampling_config(p)
+    sampling = sampling_config(world, p)
     rows = []
     for label, m in fam.points():
         decode, drafters, geometry = _method_decoder(s, m, _table(p, p.sweep_batch), paths)
@@ -127,7 +128,7 @@ def quality_point(world: WorldParams, name: str, p: ScoreboardParams, q: Quality
         return out
     m = DecodeMethod(**chosen["method"])  # the very method the sweep measured
     s = _scored(paths, p.num_samples)
-    sampling = world.sampling_config(p)
+    sampling = sampling_config(world, p)
     sampling = replace(sampling, temperature=pt.temperature if pt.temperature is not None else sampling.temperature,
                        top_k=pt.top_k if pt.top_k is not None else sampling.top_k)
     decode, drafters, geometry = _method_decoder(s, m, _table(p, p.batch_size), paths)

@@ -33,6 +33,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from lisa.checkpoint import atomic_write
+from lisa.config import seed_for
 from lisa.models.drafter import DrafterConfig, Eagle3Drafter
 from lisa.models.gpt import Transformer
 from lisa.training.loops import load_resume, lr_at, read_resume, save_resume
@@ -253,7 +254,7 @@ def train_drafter(drafter: Eagle3Drafter, target: Transformer, tokens: Tensor, c
     first, step_s = step, 0.0  # time in training steps only (no evaluation, no checkpoints): steps/s
     for step in bar:
         t_step = time.perf_counter()
-        gen.manual_seed(cfg.seed * 1_000_003 + step)  # batch and drops depend only on (seed, step): resumable
+        gen.manual_seed(seed_for(cfg.seed, step))  # batch and drops depend only on (seed, step): resumable
         if cache is None:
             idx = torch.randint(0, len(tokens), (cfg.batch_size,), generator=gen)
             drop = torch.rand(cfg.batch_size, generator=gen) < cfg.cond_drop

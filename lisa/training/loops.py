@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from lisa.checkpoint import atomic_write
-from lisa.config import TrainTargetParams, TrainTokenizerParams
+from lisa.config import TrainTargetParams, TrainTokenizerParams, seed_for
 from lisa.models.vq import VQModel
 
 
@@ -138,7 +138,7 @@ def train_vq(model: VQModel, train_u8: torch.Tensor, test_u8: torch.Tensor, cfg:
     bar = tqdm(range(step, cfg.steps), initial=step, total=cfg.steps, desc="train tokenizer", disable=not progress)
     restarts = 0
     for step in bar:
-        gen.manual_seed(cfg.seed * 1_000_003 + step)
+        gen.manual_seed(seed_for(cfg.seed, step))
         idx = torch.randint(0, len(train_u8), (cfg.batch_size,), generator=gen)
         x = train_u8[idx].float() / 127.5 - 1
         x = torch.where(torch.rand(len(x), 1, 1, 1, generator=gen) < 0.5, x, x.flip(-1))  # horizontal flips
@@ -201,7 +201,7 @@ def train_gpt(model, tokens: torch.Tensor, cond: torch.Tensor, test_tokens: torc
     model.train()
     bar = tqdm(range(step, cfg.steps), initial=step, total=cfg.steps, desc="train target", disable=not progress)
     for step in bar:
-        gen.manual_seed(cfg.seed * 1_000_003 + step)  # batch and drops depend only on (seed, step): resumable
+        gen.manual_seed(seed_for(cfg.seed, step))  # batch and drops depend only on (seed, step): resumable
         idx = torch.randint(0, len(tokens), (cfg.batch_size,), generator=gen)
         drop = torch.rand(cfg.batch_size, generator=gen) < cfg.cond_drop
         for g in opt.param_groups:
