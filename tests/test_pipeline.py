@@ -81,8 +81,10 @@ def test_dvc_repro_micro(tmp_path, micro_built):
         target_sha = json.loads((repo / f"data/target/{world}/model.json").read_text())["sha256"]
         spec = json.loads((repo / f"reports/bench/{world}.json").read_text())
         assert drafter["made_from"]["target_sha256"] == target_sha == spec["target_sha256"]
+        # the configured methods, then the scoreboard's picks that none of them is (the micro sweep's exact-sampled)
         assert [m["name"] for m in spec["methods"]] == ["vanilla", "exact-tree", "exact-chain", "exact-auto",
-                                                         "lantern", "sjd", "gsd", "lisa"]
+                                                         "lantern", "sjd", "gsd", "lisa", *spec["scoreboard_picks"]]
+        assert "exact-sampled[default]" in spec["scoreboard_picks"]
         cal = json.loads((repo / f"data/calibration/{world}/calibration.json").read_text())
         assert cal["made_from"]["target_sha256"] == target_sha and spec["calibration_sha256"] == cal["sha256"]
         for cell in ("vanilla", "exact-tree", "lisa", "gasv-k0"):
