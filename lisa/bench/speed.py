@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from lisa.config import seed_for
+from lisa.bench.regime import drafter_call, target_call, timed
 from lisa.decoding import costmodel, verify
 from lisa.decoding.costmodel import sync
 from lisa.decoding.generate import (Clock, generate, method_decoder, method_spec, pooled_tau, prefix_embeddings,
@@ -150,23 +151,6 @@ def drafter_step_parts(target: Transformer, drafter, rows: int, widths: Sequence
     target.setup_caches(rows, L)
     drafter.setup_caches(rows, L)
 
-    def target_call(n):
-        slots = (context + torch.arange(n, device=dev)).expand(rows, n)
-        mask = (torch.arange(target.cache_length, device=dev)[None, None, :] <= slots[:, :, None]).expand(
-            rows, n, target.cache_length)
-        x = target.embed_tokens(torch.randint(0, target.config.vocab_size, (rows, n), device=dev))
-        rope = slots.clamp(max=target.rope.shape[0] - 1)
-        return lambda: target(x, slots, mask=mask, rope_pos=rope)
-
-    def drafter_call(w):
-        slots = (context + torch.arange(w, device=dev)).expand(rows, w)
-        mask = (torch.arange(drafter.cache_length, device=dev)[None, None, :] <= slots[:, :, None]).expand(
-            rows, w, drafter.cache_length)
-        toks = torch.randint(0, cfg.vocab_size, (rows, w), device=dev)
-        hidden = torch.randn(rows, w, cfg.model_dim, device=dev, dtype=drafter.fc.weight.dtype)
-        rope = slots.clamp(max=drafter.rope.shape[0] - 1)
-        return lambda: drafter(toks, hidden, input_pos=slots, mask=mask, rope_pos=rope)
-
     taps = [torch.randn(rows, 3, cfg.dim, device=dev, dtype=drafter.fc.weight.dtype) for _ in range(3)]
     spent = {part: 0.0 for part in STEP_PARTS}
     hooks = []
@@ -186,27 +170,20 @@ def drafter_step_parts(target: Transformer, drafter, rows: int, widths: Sequence
                 spent[part] += time.perf_counter() - start["t"]
 
             hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
-    big, one, steps = target_call(new), target_call(1), {w: drafter_call(w) for w in widths}
+    big, one = target_call(target, target, rows, new, context), target_call(target, target, rows, 1, context)
+    steps = {w: drafter_call(drafter, drafter, rows, w, context) for w in widths}
     got = {(w, mode): [] for w in widths for mode in ("cold", "warm")}
     t1, fc = [], []
-
-    def timed(fn):
-        sync(dev)
-        t0 = time.perf_counter()
-        fn()
-        sync(dev)
-        return time.perf_counter() - t0
-
     try:
         for r in range(reps + 1):
-            t1.append(timed(one))
-            fc.append(timed(lambda: drafter.fuse(taps)))
+            t1.append(timed(one, dev))
+            fc.append(timed(lambda: drafter.fuse(taps), dev))
             for w, step in steps.items():
                 for mode in ("cold", "warm"):
                     big() if mode == "cold" else step()
                     for part in spent:
                         spent[part] = 0.0
-                    got[w, mode].append((timed(step), dict(spent)))
+                    got[w, mode].append((timed(step, dev), dict(spent)))
     finally:
         for h in hooks:
             h.remove()
