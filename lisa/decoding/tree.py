@@ -326,7 +326,8 @@ def sampled_tree(root_logq: Tensor, expand: Callable[[Tree, Tensor], Tensor], ch
     B, V = root_logq.shape
     dev = root_logq.device
     shape = _sampled_shape(tuple(map(tuple, choices)), str(dev))
-    N = len(shape.paths)
+    paths = shape.paths
+    N = len(paths)
     tokens = torch.zeros(B, N, dtype=torch.long, device=dev)
     scores = torch.zeros(B, N, device=dev)
     parents, depths = shape.parents.expand(B, N).clone(), shape.depth.expand(B, N).clone()
