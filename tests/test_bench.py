@@ -1,7 +1,8 @@
 """The speculative benchmark: every method on the same conditions and seeds in one run, and its report."""
 import torch
 
-from lisa.bench.speed import bench_speculative, speculative_markdown
+from lisa.bench.speed import bench_speculative
+from lisa.stages.render import speculative_markdown
 import pytest
 
 from lisa.config import AutoTreeParams, BenchMethod, ThroughputParams

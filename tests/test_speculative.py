@@ -274,6 +274,7 @@ def test_compiled_decoding_equals_eager_greedy():
 def test_fixed_shape_drafting_equals_node_by_node(shape):
     # a tree whose shape is fixed before drafting takes its expansion plan (static masks and inputs); the same tree,
     # drafted node by node as a dynamic tree is (each node's mask row built from its parent's), comes out identical
+    from lisa.decoding import draft as D
     from lisa.decoding import generate as G
     from lisa.decoding.tree import branching_choices, sampled_tree, static_choices, static_tree, tree_shape
 
@@ -287,16 +288,16 @@ def test_fixed_shape_drafting_equals_node_by_node(shape):
     with torch.inference_mode():
         first, out = G.prefill(target, b, s, torch.Generator().manual_seed(0), taps)
         zero = torch.zeros(2, dtype=torch.long)
-        logits, hidden = G.commit_pairs(drafter, b, drafter.fuse([h[:, -1:] for h in out.hidden]), first[:, None],
+        logits, hidden = D.commit_pairs(drafter, b, drafter.fuse([h[:, -1:] for h in out.hidden]), first[:, None],
                                         zero, zero)
         n = torch.ones(2, dtype=torch.long)
         policy = "sample" if shape == "sampled" else "topk"
-        root = G._draft_dist(s, b.grammar, policy)(logits[:, None], n[:, None])[:, 0]
+        root = D._draft_dist(s, b.grammar, policy)(logits[:, None], n[:, None])[:, 0]
         choices = branching_choices((3, 2, 1)) if shape == "sampled" else static_choices(3, 3, 8)
         trees = []
         for expander in ("fixed", "node"):
-            expand = (G._fixed_expander(drafter, b, tree_shape(choices), hidden, n, s, policy) if expander == "fixed"
-                      else G._node_expander(drafter, b, hidden, n, s, policy))
+            expand = (D._fixed_expander(drafter, b, tree_shape(choices), hidden, n, s, policy) if expander == "fixed"
+                      else D._node_expander(drafter, b, hidden, n, s, policy))
             trees.append(sampled_tree(root, expand, choices, "wor", torch.Generator().manual_seed(7))
                          if shape == "sampled" else static_tree(root, expand, choices))
     a, c = trees

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from lisa.decoding.sampling import sample_inverse
 from lisa.decoding.tree import Shape, Tree, branching_choices, draw_siblings, tree_shape
-from lisa.decoding.verify import ratio, _normalise
+from lisa.decoding.walk import ratio, _normalise
 
 
 def proactive_paths(window: int, width: int, depth: int) -> list[tuple[int, ...]]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from lisa.bench.speed import bench_speculative, bench_vanilla, markdown_table, speculative_markdown
+from lisa.bench.speed import bench_speculative, bench_vanilla
 from lisa.checkpoint import atomic_write_all, json_writer, read_json
 from lisa.config import BenchMethod, BenchParams, BenchSpecParams, SampleParams, ScoreboardParams, WorldParams
 from lisa.decoding.sampling import sampling_config
@@ -16,7 +16,7 @@ from lisa.models.gpt import Transformer, gpt_config
 from lisa.models.llamagen import load_target, load_tokenizer
 from lisa.stages.common import check_pair, class_names, method_resources, text_encoder
 from lisa.stages.paths import SharedPaths, Stage, WorldPaths
-from lisa.stages.render import lines_writer, plot_bench
+from lisa.stages.render import lines_writer, markdown_table, plot_bench, speculative_markdown
 from lisa.stages.scoreboard import pick
 
 

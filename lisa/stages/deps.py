@@ -11,10 +11,10 @@ modules (lisa/stages/common.py, lisa/data/corpus.py) import for some of their fu
   module's file counts when one of its names is walked. Modules outside lisa/ are not followed.
 - A class brings its class-level code, its dunder and decorated methods (constructor, properties, validators), and
   the methods named by any attribute read in walked code (not counting `self.x` outside the class's module). The
-  params' classes (lisa/config.py) count as used by every stage: `world.gpt_config()` and `m.verifier_options()` reach
-  their methods by name.
-- lisa/config.py and lisa/stages/paths.py are deps of every stage: run_stage loads the params and builds the paths
-  of each call. Loading the params (validators that check names against the decoding registry and the model
+  params' classes (lisa/config.py, lisa/sections.py) count as used by every stage: `world.gpt_config()` and
+  `m.verifier_options()` reach their methods by name.
+- lisa/config.py, lisa/sections.py and lisa/stages/paths.py are deps of every stage: run_stage loads the params and
+  builds the paths of each call. Loading the params (validators that check names against the decoding registry and the model
   presets) is the same for every stage and is not walked.
 - Package __init__.py files are never deps: in lisa/ they hold a docstring and re-exports only, and
   lisa/stages/__init__.py, the dispatcher, is the way into every stage, like lisa/cli.py. No module of lisa/ runs
@@ -32,7 +32,9 @@ from pathlib import Path
 import yaml
 
 LISA = Path(__file__).resolve().parents[1]  # the lisa package's folder
-ALWAYS = ("lisa/config.py", "lisa/stages/paths.py")  # run_stage: the params and the paths of every stage call
+# run_stage: the params (lisa/config.py and the section types it assembles) and the paths of every stage call
+ALWAYS = ("lisa/config.py", "lisa/sections.py", "lisa/stages/paths.py")
+PARAMS = ("lisa.config", "lisa.sections")  # the modules of the params' classes
 
 
 def _file(module: str) -> Path | None:
@@ -160,7 +162,7 @@ class _Walk:
         self.whole: set[str] = set()  # modules used as values
         self.attrs: set[str] = set()  # attribute names read (not on `self`)
         # the classes whose methods an attribute read reaches: the params' (run_stage builds them) and those used
-        self.classes = {("lisa.config", n.name): n for n in _tree("lisa.config").body if isinstance(n, ast.ClassDef)}
+        self.classes = {(m, n.name): n for m in PARAMS for n in _tree(m).body if isinstance(n, ast.ClassDef)}
 
     def module(self, module: str) -> None:
         """A module used as a value (passed around, not read by name): all its top-level names."""

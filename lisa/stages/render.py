@@ -5,6 +5,7 @@ from pathlib import Path
 
 import torch
 
+from lisa.bench.speed import STEP_PARTS
 from lisa.checkpoint import atomic_write
 from lisa.data import datasets as data
 from lisa.data.images import grid_image
@@ -179,3 +180,139 @@ def quality_grid(images: torch.Tensor, labels: torch.Tensor, captions: list[str]
                 break
         grid = torch.cat(parts)
     return grid_image(data.to_model_range(grid), nrow=nrow, labels=text)
+
+
+def markdown_table(rows: list[dict], title: str) -> str:
+    lines = [f"## {title}", "",
+             "| cfg scale | batch | rows/forward | tokens | loop s | bare forwards s | tokens/s | ms/step | loop overhead |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['cfg_scale']:g} | {r['batch_size']} | {r['rows_in_forward']} | {r['num_tokens']} | "
+                     f"{r['loop_s']:.3f} | {r['bare_forwards_s']:.3f} | {r['tokens_per_s']:.1f} | "
+                     f"{r['ms_per_token_step']:.2f} | {100 * r['loop_overhead']:+.1f}% |")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Speculative decoding benchmark: every method on the same conditions and seeds, in one run.
+
+
+def speculative_markdown(report: dict, title: str) -> str:
+    """The benchmark as Markdown: the method table, acceptance-length histograms, per-condition rows, auto picks."""
+    ms = report["methods"]
+    lines = [f"## {title}", "",
+             f"{report['images_per_method_pass']} images per method per pass, median of {report['repeats']} passes "
+             f"after {report['warmup']} warm-up, methods interleaved; {report['rows_in_forward']} rows per forward "
+             f"(CFG doubles the batch); {report['threads']} threads on {report['device']}. Times are the decode loop "
+             "only; timed apart: the VQ decode"
+             + (f" ({report['vq_decode_ms_per_image']:.1f} ms per image)" if report["vq_decode_ms_per_image"] else "")
+             + (f" and the caption encoding ({report['text_encode_ms_per_prompt']:.1f} ms per prompt)"
+                if report.get("text_encode_ms_per_prompt") else "") + ".", "",
+             "| method | verifier | tree | ms / image | speedup | tau | target forwards / image | loop ms / forward "
+             "| bare forward ms (tokens) | loop overhead | limit ms / forward | loop / limit | in target | in drafter |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for m in ms:
+        tree = m.get("tree_desc") or "-"
+        if m["auto"]:
+            tree += " (auto)"
+        lines.append(f"| {m['name']} | {m['method']} | {tree} | {m['ms_per_image']:.1f} | "
+                     f"{m.get('speedup', float('nan')):.2f}x "
+                     f"| {m['tau']:.2f} | {m['target_forwards_per_image']:.1f} | {m['loop_ms_per_forward']:.2f} | "
+                     f"{m['bare_forward_ms']:.2f} ({m['forward_tokens']}) | {100 * m['loop_overhead']:+.0f}% | "
+                     f"{m.get('limit_ms_per_forward', float('nan')):.2f} | {m.get('loop_to_limit', float('nan')):.2f} | "
+                     f"{100 * m['target_share']:.0f}% | {100 * m['drafter_share']:.0f}% |")
+    parts = list(dict.fromkeys(p for m in ms for p in m.get("round_ms", {})))
+    if parts:
+        lines += ["", "Per round, where the time goes (one instrumented pass apart from the timed ones: hooks on every "
+                      "forward, a clock between the loop's parts; ms per round, the prefill's share included; bare "
+                      "round: the bare forwards a round makes, timed alone; round / forwards: the round over its own "
+                      "target and drafter forwards as the hooks timed them in the loop, the loop's overhead without "
+                      "the bare timings' bias: a forward timed alone, at 2 threads, costs more than the same forward "
+                      "in the loop, so round / bare understates the overhead)", "",
+                  "| method | " + " | ".join(parts) + " | round | bare round | round / bare | round / forwards |",
+                  "|---|" + "---|" * (len(parts) + 4)]
+        for m in ms:
+            r = m.get("round_ms", {})
+            fw = r.get("target forward", 0.0) + r.get("drafter forwards", 0.0)
+            lines.append(f"| {m['name']} | " + " | ".join(f"{r[p]:.2f}" if p in r else "-" for p in parts)
+                         + f" | {m['round_ms_total']:.2f} | {m['bare_round_ms']:.2f} | "
+                           f"{m['round_ms_total'] / m['bare_round_ms']:.2f} | "
+                           + (f"{m['round_ms_total'] / fw:.2f} |" if fw > 0 else "- |"))
+    for which, st in (report.get("drafter_step") or {}).items():
+        lines += ["", f"Drafter step ({which} drafter), where it goes: ms per step at w pairs per row, {st['rows']} rows, "
+                      f"after {st['context']} cached pairs; cold: right after a target forward over "
+                      f"{st['cold_after_tokens']} tokens (as in the loop), warm: right after another drafter step; "
+                      f"parts by hooks on its submodules (glue: what lies between them); t(1) = {st['t1_ms']:.2f} ms "
+                      f"(the one-token target forward, same repetitions); the fc over the fused taps, once per round "
+                      f"in the commit: {st['fc_ms']:.3f} ms", "",
+                  "| w | when | step ms | step / t(1) | " + " | ".join(STEP_PARTS) + " | glue |",
+                  "|---|---|---|---|" + "---|" * (len(STEP_PARTS) + 1)]
+        for w, modes in st["widths"].items():
+            for mode, x in modes.items():
+                lines.append(f"| {w} | {mode} | {x['step_ms']:.3f} | {x['step_over_t1']:.2f} | "
+                             + " | ".join(f"{x[part]:.3f}" for part in (*STEP_PARTS, "glue")) + " |")
+    if report.get("compiled"):
+        lines += ["", "Eager and compiled, side by side (the same interleaved passes; compiled: the target's and the "
+                      "drafter's forwards under torch.compile, inductor, static shapes, one graph per shape, with the "
+                      "loop's pure bookkeeping steps fused (lisa.decoding.fused; the random draws and cache moves stay "
+                      "eager)). "
+                      "Each speedup is against vanilla of the same mode, never across modes; loop / limit: the loop's "
+                      "time per target forward against the bare forwards a round makes, timed in the same mode.",
+                  "", "| method | eager ms / image | eager speedup | compiled ms / image | compiled speedup | "
+                      "eager / compiled | tau (eager, compiled) | compile s | loop / limit (eager, compiled) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for c in report["compiled"]:
+            ratio = (f"{c['eager_loop_to_limit']:.2f}, {c['loop_to_limit']:.2f}"
+                     if c.get("loop_to_limit") is not None and c.get("eager_loop_to_limit") is not None else "-")
+            lines.append(f"| {c['name']} | {c['eager_ms_per_image']:.1f} | {c['eager_speedup']:.2f}x | "
+                         f"{c['ms_per_image']:.1f} | {c['speedup']:.2f}x | {c['compiled_over_eager']:.2f} | "
+                         f"{c['eager_tau']:.2f}, {c['tau']:.2f} | {c['compile_s']:.0f} | {ratio} |")
+        eager_tree = {m["name"]: m["tree_desc"] for m in report["methods"]}
+        for c in report["compiled"]:
+            if c.get("auto"):
+                same = "the same tree as eager" if c["tree_desc"] == eager_tree.get(c["name"]) else \
+                    f"eager: {eager_tree.get(c['name'])}"
+                lines += ["", f"{c['name']} compiled: tree auto priced with compiled costs: {c['tree_desc']} ({same})."]
+    tp = report.get("throughput")
+    if tp:
+        lines += ["", f"Throughput: images per second decoding a batch of b images in one call (each row accepts its "
+                      f"own length; CFG doubles the rows), median of {tp['repeats']} passes after a warm-up; speedup "
+                      "against vanilla of the same batch and mode.", "",
+                  "| method | mode | " + " | ".join(f"b = {b}" for b in tp["batch_sizes"]) + " |",
+                  "|---|---|" + "---|" * len(tp["batch_sizes"])]
+        cell = {(r["batch"], r["method"], r["mode"]): r for r in tp["rows"]}
+        for n, mode in dict.fromkeys((r["method"], r["mode"]) for r in tp["rows"]):
+            lines.append(f"| {n} | {mode} | " + " | ".join(
+                f"{cell[b, n, mode]['images_per_s']:.2f} img/s"
+                + (f" ({cell[b, n, mode]['speedup']:.2f}x, tau {cell[b, n, mode]['tau']:.2f})"
+                   if cell[b, n, mode]["speedup"] is not None else "")
+                for b in tp["batch_sizes"]) + " |")
+    width = max(max(m["accept_hist"]) for m in ms)
+    lines += ["", "Acceptance length per round (tokens emitted per target forward, bonus included): share of rounds",
+              "", "| method | " + " | ".join(str(i) for i in range(1, width + 1)) + " |",
+              "|---|" + "---|" * width]
+    for m in ms:
+        tot = sum(m["accept_hist"].values())
+        lines.append(f"| {m['name']} | " + " | ".join(f"{100 * m['accept_hist'].get(i, 0) / tot:.0f}%"
+                                                      for i in range(1, width + 1)) + " |")
+    names = [m["name"] for m in ms]
+    lines += ["", "Per condition: ms per image (speedup, tau)", "", "| condition | " + " | ".join(names) + " |",
+              "|---|" + "---|" * len(names)]
+    conds = list(dict.fromkeys(x["condition"] for x in report["per_condition"]))
+    cell = {(x["condition"], x["method"]): x for x in report["per_condition"]}
+    for c in conds:
+        lines.append(f"| {c} | " + " | ".join(
+            f"{cell[c, n]['ms_per_image']:.0f} ({cell[c, n].get('speedup', float('nan')):.2f}x, "
+            f"{cell[c, n]['tau']:.2f})"
+            for n in names) + " |")
+    autos = [m for m in ms if m["auto"]]
+    for m in autos:
+        a = m["auto"]
+        lines += ["", f"Auto tree for {m['name']}: {a['why']}. Measured: tau {m['tau']:.2f}, "
+                      f"{m.get('speedup', float('nan')):.2f}x."]
+        top = sorted(a["grid"], key=lambda g: -g["speedup"])[:8]
+        lines += ["", "| draft | depth | total_tokens | branching | predicted tau | round ms | predicted speedup |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {g.get('draft', 'topk')} | {g['depth']} | {g['total_tokens']} | {g.get('branching') or '-'} | "
+                  f"{g['tau']:.2f} | {g['round_ms']:.2f} | {g['speedup']:.2f}x |" for g in top]
+    return "\n".join(lines) + "\n"
