@@ -23,6 +23,7 @@ from lisa.quality import fid, judges
 from lisa.quality import metrics as quality
 from lisa.stages.common import (calibration_sha, check_pair, class_names, eval_conditions, image_tokenizer,
                                 judge_scores, load_geometry, load_images, method_drafters)
+from lisa.stages.inputs import check_inputs
 from lisa.stages.paths import Stage, WorldPaths
 from lisa.stages.render import lines_writer, quality_grid
 
@@ -175,12 +176,15 @@ def evaluate(world: WorldParams, p: EvaluateParams, q: QualityParams, paths: Wor
     return metrics
 
 
-def _method_decoder(s: _Scored, m, p: TableParams, paths: WorldPaths):
+def _method_decoder(s: _Scored, m, p: TableParams, paths: WorldPaths, manifest: Path):
     """(decode, drafters, geometry) of a decoding method (a table cell's, a scoreboard point's) on the target;
-    p.compile: the forwards under torch.compile."""
+    p.compile: the forwards under torch.compile. manifest: the method's method-inputs manifest, which what is
+    loaded must match (lisa.stages.inputs.check_inputs)."""
     drafters = method_drafters([m], {"release": paths.drafter_file, "lid": paths.lid_drafter_file}, s.target_meta)
     geometry = load_geometry(s.model, s.target_meta, s.vq, [m], min(64, s.model.config.vocab_size - 1),
                              paths.calibration_file)
+    check_inputs(manifest, drafters[m.drafter][1]["sha256"] if m.drafter in drafters else None,
+                 calibration_sha(geometry))
     if geometry is not None and geometry.calibration is not None:
         geometry.neighbours = geometry.calibration.neighbours
     drafter = drafters[m.drafter][0] if m.drafter in drafters else None
@@ -223,7 +227,7 @@ def eval_method(world: WorldParams, name: str, p: TableParams, q: QualityParams,
         raise ValueError(f"--method {name!r}: not a key of params table.cells {sorted(p.cells)}")
     m = p.cells[name].as_method(name)
     s = _scored(paths, p.num_samples)
-    decode, drafters, geometry = _method_decoder(s, m, p, paths)
+    decode, drafters, geometry = _method_decoder(s, m, p, paths, paths.inputs_dir / "cells" / f"{name}.json")
     sampling = sampling_config(world, p)  # the world's own values over the section's
     drafter_sha = {k: meta["sha256"] for k, (_, meta) in drafters.items()}
     recipe = [s.target_meta["sha256"], s.vq_meta["sha256"], asdict(m),
