@@ -14,6 +14,7 @@ from pathlib import Path
 from lisa import __version__
 from lisa.checkpoint import CheckpointError
 from lisa.config import ConfigError, load_params, profile_text
+from lisa.decoding.verify import VERIFIERS, needs
 from lisa.stages import STAGES, SharedPaths, WorldPaths, run_stage
 
 
@@ -228,7 +229,7 @@ COMMANDS = {
     "init-tokenizer": ("build a world's VQ tokenizer: random init, or import an official vq_ds16_*.pt "
                        "-> data/tokenizer/<world>/tokenizer.safetensors", []),
     "sample": ("sample a grid, one row per class or prompt, with a decoding method (params sample.method: vanilla "
-               "or a verifier) -> reports/samples/<world>/", ["target", "tokenizer", "drafter", "method", "compile"]),
+               "or a verifier; --method: also a named one, e.g. lisa-sampled) -> reports/samples/<world>/", ["target", "tokenizer", "drafter", "method", "compile"]),
     "premise": ("LISA's premise on held-out data: entropy, top-1 prob, codebook-neighbourhood mass "
                 "-> reports/premise/<world>.json (--out: the JSON)", []),
     "fid-reference": ("held-out Inception features and reference FID / KID (train, VQ reconstructions, unigram) "
@@ -313,8 +314,12 @@ OPTIONS = {
                                      "world's training codes")),
     "steps": ("--steps", dict(type=int, help="override train_drafter.steps")),
     "ddp-steps": ("--steps", dict(type=int, default=40, help="training steps per run (default 40)")),
-    "method": ("--method", dict(help="vanilla (default: params sample.method), or a verifier: greedy, exact, lantern, "
-                                     "gasv (with a drafter; gasv reads data/calibration/<world>), sjd, gsd")),
+    "method": ("--method", dict(help="vanilla (default: params sample.method); a verifier with params sample's tree, "
+                                     "window and options: " + ", ".join(
+                                         f"{v} ({', '.join(needs(v))})" for v in sorted(VERIFIERS))
+                                     + " (the drafter: data/drafter/<world>; the calibration: data/calibration/<world>); or a "
+                                       "named method of params table.cells / bench_spec.methods with all its fields "
+                                       "(e.g. lisa-sampled; an LID drafter: data/ablation/<world>)")),
     "cell": ("--method", dict(required=True, help="a key of params table.cells")),
     "arch": ("--drafter", dict(dest="drafter", required=True, help="a key of params ablate_arch.drafters")),
     "family": ("--family", dict(required=True, help="a key of params scoreboard.families")),

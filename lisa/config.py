@@ -6,7 +6,7 @@ each world is one target family with its tokenizer (the stages loop over worlds)
 CI, `real`; the default is params.yaml) live in lisa/profiles/. Validation uses pydantic dataclasses with extra
 keys forbidden. A decoding method is one type, `DecodeMethod` (its verifier options are checked at load); every
 sampling section inherits the top-level `sampling` values it does not set (`inherit_sampling`).
-The params are plain data: the code that reads them builds from them (lisa.decoding.generate.method_decoder,
+The params are plain data: the code that reads them builds from them (lisa.decoding.methods.method_decoder,
 method_spec and tree_spec; lisa.decoding.sampling.sampling_config). `seed_for` is the one seed rule.
 """
 from __future__ import annotations
@@ -224,13 +224,6 @@ class SampleParams(SamplingParams, DecodeMethod):
     neighbours: Count = 32  # geometry: nearest codes kept per code (lantern, gsd)
     compile: bool = False  # the forwards under torch.compile (lisa.decoding.generate.compiled)
 
-    @field_validator("drafter")
-    @classmethod
-    def _release(cls, v: str) -> str:
-        if v != "release":
-            raise ValueError("the sample stage decodes with the release drafter (data/drafter/<world>) only")
-        return v
-
 
 @dataclass(config=STRICT)
 class PremiseParams:
@@ -333,7 +326,7 @@ class LIDParams:
 class AblateLIDParams(SamplingParams, DraftTree):
     """LID against the baseline loss: two drafters trained from the same logit cache, with train_drafter's
     settings but `steps`, then their acceptance length under `exact` on sample.classes / sample.prompts (the
-    draft tree: DraftTree's keys, lisa.decoding.generate.tree_spec(p, "exact"))."""
+    draft tree: DraftTree's keys, lisa.decoding.methods.tree_spec(p, "exact"))."""
     steps: Count = 300
     lid: LIDParams = Field(default_factory=LIDParams)
     per_class: Count = 2  # seeds per class / prompt for the acceptance measurement
@@ -577,6 +570,20 @@ class Params:
         if name not in self.worlds:
             raise ConfigError(f"unknown world {name!r}; params.yaml defines {sorted(self.worlds)}")
         return self.worlds[name]
+
+    def named_method(self, name: str) -> DecodeMethod:
+        """The decoding method a name stands for: a key of table.cells (the table's rows: lisa-a, lisa-sampled,
+        ...) or a name of bench_spec.methods, in that order."""
+        fields = [f.name for f in dataclasses.fields(DecodeMethod)]
+        if name in self.table.cells:
+            m = self.table.cells[name]
+        elif name in (named := {m.name: m for m in self.bench_spec.methods}):
+            m = named[name]
+        else:
+            raise ConfigError(f"method {name!r}: not 'vanilla', a verifier {sorted(verify.VERIFIERS)}, a key of "
+                              f"table.cells {sorted(self.table.cells)} nor a name of bench_spec.methods "
+                              f"{sorted(named)}")
+        return DecodeMethod(**{f: getattr(m, f) for f in fields} | {"options": dict(m.options)})
 
 
 def _describe(err: dict, source: str) -> str:

@@ -190,7 +190,8 @@ def test_one_seed_rule():
 
 def test_methods_become_trees_where_the_loop_lives():
     from lisa.config import DecodeMethod
-    from lisa.decoding.generate import SpecConfig, method_spec, tree_spec
+    from lisa.decoding.generate import SpecConfig
+    from lisa.decoding.methods import method_spec, tree_spec
     assert method_spec(DecodeMethod()) is None and method_spec(DecodeMethod(method="sjd")) is None
     m = DecodeMethod(method="exact", tree="dynamic", draft="sample", branching=[3, 1])
     assert method_spec(m) == SpecConfig("exact", "dynamic", 4, 4, 16, "sample", "wor", (3, 1))

@@ -247,7 +247,7 @@ def test_compiled_decoding_equals_eager_greedy():
     vanilla, a sampled tree and a Jacobi window decode the same greedy tokens as the eager vanilla loop, and a
     second call reuses the compiled graphs (no recompilation)."""
     import torch._dynamo
-    from lisa.decoding.generate import decoder
+    from lisa.decoding.methods import decoder
 
     torch.manual_seed(0)
     target = micro_gpt(vocab_size=8)

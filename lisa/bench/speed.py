@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import replace
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -17,11 +16,11 @@ from tqdm import tqdm
 
 from lisa.config import seed_for
 from lisa.bench.regime import drafter_call, target_call, timed
-from lisa.decoding import costmodel, verify
+from lisa.decoding import costmodel
 from lisa.decoding.costmodel import sync
-from lisa.decoding.generate import (Clock, generate, method_decoder, method_spec, pooled_tau, prefix_embeddings,
-                                    speculative_generate)
+from lisa.decoding.generate import Clock, generate, pooled_tau, prefix_embeddings
 from lisa.decoding.generate import compiled as compiled_model
+from lisa.decoding.methods import auto_tree, method_decoder, method_spec, resolve_auto
 from lisa.models.gpt import Transformer
 from lisa.decoding.sampling import SamplingConfig
 
@@ -200,15 +199,6 @@ def drafter_step_parts(target: Transformer, drafter, rows: int, widths: Sequence
             row["glue"] = max(0.0, row["step_ms"] - sum(row[part] for part in STEP_PARTS))
             out["widths"][w][mode] = row
     return out
-
-
-def resolve_auto(m, choice):
-    """Method m (tree "auto") with the cost model's choice of draft policy and tree."""
-    if choice.draft == "sample":
-        return replace(m, tree="dynamic", draft="sample", branching=list(choice.branching), depth=choice.depth,
-                       total_tokens=choice.total_tokens)
-    return replace(m, tree="dynamic", draft="topk", branching=[], depth=choice.depth,
-                   total_tokens=choice.total_tokens)
 
 
 def forward_size(m) -> int:
@@ -581,69 +571,6 @@ def bench_throughput(target: Transformer, drafter_of: Callable, methods: list, c
             rows.append({"batch": b, "method": n, "mode": mode, "images_per_s": b / wall, "tau": taus[b, n, mode],
                          "speedup": van / wall if van else None})
     return {"methods": list(tp.methods), "batch_sizes": list(tp.batch_sizes), "repeats": tp.repeats, "rows": rows}
-
-
-def auto_tree(target: Transformer, drafter, conditions: list[dict], m, sampling: SamplingConfig, seed: int,
-              geometry, auto, progress: bool = True, compile: bool = False):
-    """Resolve tree "auto" for method m: decode `conditions` with vanilla, with the full top-k calibration tree and
-    the widest sampled tree (traced: acceptance) and with a small tree (loop costs), time bare forwards, and pick
-    the draft policy and tree of highest predicted speedup (lisa.decoding.costmodel.choose). m.draft "sample"
-    restricts the choice to sampled trees. compile: priced in the mode that will run it, the loops and the bare
-    forwards under torch.compile (lisa.decoding.generate.compiled; each forward shape compiles on its first call,
-    which the timings skip)."""
-    device = next(target.parameters()).device
-    fwd_target, fwd_drafter = (compiled_model(target), compiled_model(drafter)) if compile else (target, drafter)
-    rows = (2 if sampling.use_cfg else 1) * conditions[0]["cond"].shape[0]
-    k, D = m.top_k_draft, auto.max_depth
-    full = k + (D - 1) * k * k  # every node a depth-D dynamic tree drafts
-    small = min(s for s in auto.sizes if s >= 2)
-    topk = replace(m, draft="topk", branching=[])
-    widest = method_spec(replace(m, tree="dynamic", draft="sample", branching=[k] + [1] * (D - 1)))
-    specs = [(widest, "sample"), (method_spec(replace(topk, tree="dynamic", depth=2, total_tokens=small)), None)]
-    if m.draft != "sample":
-        specs.insert(0, (method_spec(replace(topk, tree="dynamic", depth=D, total_tokens=full)), "topk"))
-    traces = {"topk": [], "sample": []}
-    timed, vanilla_steps = [], []
-    runs = [(r, ci, c) for r in range(2) for ci, c in enumerate(conditions)]  # pass 0 warms up
-    mode = " compiled" if compile else ""
-    for r, ci, c in tqdm(runs, desc=f"auto tree ({m.method}{mode})", unit="run", disable=not progress):
-        gen = torch.Generator(device=device).manual_seed(seed_for(seed, ci))
-        sync(device)
-        t0 = time.perf_counter()
-        generate(target, c["cond"], sampling, gen, cond_mask=c.get("cond_mask"), compile=compile)
-        sync(device)
-        if r:
-            vanilla_steps.append((time.perf_counter() - t0) / target.config.block_size)
-        for spec, traced in specs:
-            gen = torch.Generator(device=device).manual_seed(seed_for(seed, ci))
-            rounds: list = []
-            sync(device)
-            t0 = time.perf_counter()
-            _, stats = speculative_generate(target, drafter, c["cond"], sampling, spec, gen,
-                                            cond_mask=c.get("cond_mask"), geometry=geometry,
-                                            options=m.verifier_options(), trace=rounds if traced and r else None,
-                                            compile=compile)
-            sync(device)
-            if r:
-                timed.append((spec, (time.perf_counter() - t0) / stats["rounds"], stats["tau"]))
-                if traced:
-                    traces[traced] += rounds
-    costs = costmodel.measure_costs(fwd_target, fwd_drafter, rows, auto.sizes + [full, widest.nodes], k,
-                                    target.config.cls_token_num + target.config.block_size // 2, auto.reps)
-    costs.vanilla_step_s = statistics.median(vanilla_steps)
-    # the rest of a round: its wall time less the bare forwards it makes (drafting, verification, bookkeeping,
-    # and what a forward costs inside the loop beyond a bare one), linear in the tree size
-
-    def drafting(spec, tau):
-        if spec.draft == "sample":
-            return costs.draft(len(spec.branching), spec.branching[0], chain=spec.branching[0] == 1, commit=tau)
-        return costs.draft(spec.depth, k, commit=tau)
-
-    costs.loop_a_s, costs.loop_b_s = costmodel.fit_loop(
-        [(spec.nodes, per_round - costs.target(spec.nodes + 1) - drafting(spec, tau)) for spec, per_round, tau in timed])
-    profile = costmodel.acceptance_profile(traces["topk"], D) if m.draft != "sample" else None
-    sampled = costmodel.sampled_profile(traces["sample"], k, D)
-    return costmodel.choose(profile, costs, k, auto.sizes, sampled)
 
 
 def speculative_markdown(report: dict, title: str) -> str:

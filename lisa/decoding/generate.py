@@ -15,7 +15,6 @@ draws, the walk's control flow and the cache moves stay eager.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from dataclasses import dataclass, field
@@ -24,7 +23,6 @@ from typing import Callable, Iterable, Optional, TypedDict
 import torch
 from torch import Tensor
 
-from lisa.config import DecodeMethod, DraftTree
 from lisa.models.gpt import GPTOutput, Transformer
 from lisa.decoding import jacobi, verify
 from lisa.decoding.fused import fused
@@ -805,52 +803,3 @@ def jacobi_generate(target: Transformer, cond: Tensor, sampling: SamplingConfig,
         tick("commit")
     tick("rest")
     return em.result()
-
-
-def decoder(target: Transformer, method: str = "vanilla", drafter=None, spec: Optional[SpecConfig] = None,
-            window: int = 16, geometry=None, options=None, measure: bool = False, compile: bool = False) -> Callable:
-    """The Python API behind `lisa sample --method`: a function (cond, sampling, generator, cond_mask=None,
-    forced=None, clock=None) -> (tokens (B, T), stats) decoding with `method`: "vanilla", or a verifier name
-    (greedy / exact / lantern / ... with an EAGLE-3 `drafter` and a `spec` tree; sjd / gsd run drafter-free over a
-    `window`). Relaxed verifiers read `geometry` (lisa.decoding.verify.Geometry) and their knobs from `options` (a
-    dict or the verifier's typed options, checked here). compile: the models' forwards under torch.compile
-    (`compiled`). stats: DecodeStats. method_decoder builds one from a params.yaml method."""
-    if method == "vanilla":
-        return lambda c, s, g, cond_mask=None, forced=None, clock=None: generate(target, c, s, g, cond_mask=cond_mask,
-                                                                      forced=forced, compile=compile)
-    if method not in verify.VERIFIERS:
-        raise ValueError(f"decoding method {method!r}: not 'vanilla' nor a verifier {sorted(verify.VERIFIERS)}")
-    options = verify.verifier_options(method, options)
-    if verify.is_jacobi(method):
-        return lambda c, s, g, cond_mask=None, forced=None, clock=None: jacobi_generate(
-            target, c, s, method, window, g, cond_mask=cond_mask, geometry=geometry, options=options, forced=forced,
-            measure=measure, clock=clock, compile=compile)
-    if drafter is None:
-        raise ValueError(f"decoding method {method!r} verifies a drafter's trees: give a drafter "
-                         "(`lisa train-drafter`)")
-    spec = dataclasses.replace(spec or SpecConfig(method), verifier=method)
-    return lambda c, s, g, cond_mask=None, forced=None, clock=None: speculative_generate(
-        target, drafter, c, s, spec, g, cond_mask=cond_mask, geometry=geometry, options=options, forced=forced,
-        measure=measure, clock=clock, compile=compile)
-
-
-def tree_spec(tree: DraftTree, verifier: str) -> SpecConfig:
-    """A params.yaml draft tree (a method's, ablate-lid's, ablate-arch's) as the decode loop reads it; tree "auto"
-    must be resolved first (lisa.bench.speed.auto_tree)."""
-    if tree.tree == "auto":
-        raise ValueError("tree 'auto' is resolved by the cost model before decoding (lisa.bench.speed.auto_tree)")
-    return SpecConfig(verifier, tree.tree, tree.depth, tree.top_k_draft, tree.total_tokens, tree.draft, tree.siblings,
-                      tuple(tree.branching))
-
-
-def method_spec(m: DecodeMethod) -> Optional[SpecConfig]:
-    """The SpecConfig of a tree-verified method, None for vanilla / sjd / gsd."""
-    return tree_spec(m, m.method) if m.drafts_tree else None
-
-
-def method_decoder(m: DecodeMethod, target: Transformer, drafter=None, geometry=None, measure: bool = False,
-                   compile: bool = False) -> Callable:
-    """`decoder` for a params.yaml decoding method: (cond, sampling, generator, cond_mask=None, forced=None) ->
-    (tokens, stats) (compile: the forwards under torch.compile)."""
-    return decoder(target, m.method, drafter, method_spec(m), m.window, geometry, m.verifier_options(), measure,
-                   compile)

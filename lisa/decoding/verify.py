@@ -375,19 +375,26 @@ VerifierFn = Callable[[VerifyContext, torch.Generator], Verdict]
 
 
 class Verifier(NamedTuple):
+    """A registry entry: the function, its knobs and what it needs beside the target's p and the drafts."""
     fn: VerifierFn
     options: type  # a frozen dataclass of the verifier's knobs; its defaults are the only defaults
-    drafts: Literal["tree", "jacobi"]  # verifies a drafter's trees, or drafter-free Jacobi windows
+    drafts: Literal["tree", "jacobi"]  # verifies a drafter's trees (needs a drafter), or drafter-free Jacobi windows
+    # what it reads of the codebook geometry (VerifyContext.geometry): "codebook" (the code vectors), "neighbours"
+    # (a table of each code's nearest codes, its option k wide), "calibration" (GASV's, its option k wide)
+    reads: frozenset = frozenset()
 
 
 VERIFIERS: dict[str, Verifier] = {}
+GEOMETRY = ("codebook", "neighbours", "calibration")
 
 
-def register(name: str, options: type, drafts: Literal["tree", "jacobi"] = "tree"):
+def register(name: str, options: type, drafts: Literal["tree", "jacobi"] = "tree", reads: tuple[str, ...] = ()):
     def wrap(fn):
         if name in VERIFIERS:
             raise ValueError(f"verifier {name!r} is already registered")
-        VERIFIERS[name] = Verifier(fn, options, drafts)
+        if not set(reads) <= set(GEOMETRY):
+            raise ValueError(f"verifier {name!r}: reads {sorted(reads)}, not a part of the geometry {GEOMETRY}")
+        VERIFIERS[name] = Verifier(fn, options, drafts, frozenset(reads))
         return fn
 
     return wrap
@@ -406,6 +413,21 @@ def get_verifier(name: str) -> VerifierFn:
 def is_jacobi(name: str) -> bool:
     """Whether verifier `name` runs drafter-free on Jacobi windows (sjd, gsd) rather than on a drafter's trees."""
     return _entry(name).drafts == "jacobi"
+
+
+def reads(name: str) -> frozenset:
+    """What verifier `name` reads of the codebook geometry (Verifier.reads); vanilla reads nothing."""
+    return frozenset() if name == "vanilla" else _entry(name).reads
+
+
+def needs(name: str) -> list[str]:
+    """What method `name` needs beside the target, in words (the CLI's help, reports): a drafter's trees or a
+    Jacobi window, and the geometry it reads."""
+    if name == "vanilla":
+        return []
+    e = _entry(name)
+    words = {"codebook": "the codebook", "neighbours": "a neighbour table", "calibration": "a calibration"}
+    return ["a drafter" if e.drafts == "tree" else "a Jacobi window"] + [words[r] for r in GEOMETRY if r in e.reads]
 
 
 def option_keys(options_type: type) -> dict[str, dataclasses.Field]:
@@ -482,8 +504,9 @@ def ratio(a: Tensor, b: Tensor) -> Tensor:
 @dataclass
 class Geometry:
     """What geometry-aware verifiers read: each code's nearest codes on the L2-normalised codebook (V, K),
-    nearest first (LANTERN's table; cosine order = L2 order on the sphere), and the codebook itself (V, d)."""
-    neighbours: Tensor
+    nearest first (LANTERN's table; cosine order = L2 order on the sphere; None where no verifier reads it), and
+    the codebook itself (V, d)."""
+    neighbours: Optional[Tensor]
     codebook: Optional[Tensor] = None
     calibration: Any = None  # lisa.training.calibrate.Calibration with the target's whitened head rows (gasv)
 
@@ -534,14 +557,14 @@ class LanternOptions:
     delta: float = 0.1  # the budget: <= 1 absolute TV mass, > 1 LANTERN++'s relative budget (lantern_boost)
 
 
-@register("lantern", LanternOptions)
+@register("lantern", LanternOptions, reads=("neighbours",))
 def lantern(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
     """Relaxed acceptance: a draft is accepted with its boosted probability (the mass of the neighbours it may
     stand for, within the budget delta); on rejection it and the neighbours it absorbed leave the residual.
     Options: LanternOptions. Sampled drafts: LANTERN's per-draft boost has no tractable law over several siblings,
     so the same neighbourhood (k) and budget (delta: total moved mass; > 1: each code may gain (delta - 1) times
     its own mass) move p toward q once per node (`transport`), and the node is verified exactly against that."""
-    if ctx.geometry is None:
+    if ctx.geometry is None or ctx.geometry.neighbours is None:
         raise ValueError("lantern needs the codebook geometry (VerifyContext.geometry = Geometry.from_codebook)")
     o = verifier_options("lantern", ctx.options)
     k, delta = o.k, o.delta
@@ -703,7 +726,7 @@ class GSDOptions:
     dist: float = 0.5  # ... and whose squared L2 embedding distance is below this
 
 
-@register("gsd", GSDOptions, drafts="jacobi")
+@register("gsd", GSDOptions, drafts="jacobi", reads=("codebook",))
 def gsd(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
     """Grouped speculative decoding on Jacobi drafts: accept x if u < min(1, p(G(x)) / q(G(x))); on rejection
     the SJD residual norm(max(0, p - q)). Options: GSDOptions; the embeddings are the geometry's codebook."""
@@ -792,7 +815,7 @@ def gasv_scores(logits: Tensor, p: Tensor, cal, kappa: float, lam: float, a_kapp
     return torch.maximum(g_geo, g_clu).reshape(B, S, V)
 
 
-@register("gasv", GASVOptions)
+@register("gasv", GASVOptions, reads=("calibration",))
 def gasv(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
     """LISA's geometry-aware soft verification (see the block above): needs the raw guided logits and a
     calibration (geometry.calibration, `lisa calibrate`). Options: GASVOptions."""

@@ -14,8 +14,7 @@ from lisa.config import BenchMethod, BenchParams, BenchSpecParams, SampleParams,
 from lisa.decoding.sampling import sampling_config
 from lisa.models.gpt import Transformer, gpt_config
 from lisa.models.llamagen import load_target, load_tokenizer
-from lisa.stages.common import (calibration_sha, check_pair, class_names, load_geometry, method_drafters,
-                                text_encoder)
+from lisa.stages.common import check_pair, class_names, method_resources, text_encoder
 from lisa.stages.paths import SharedPaths, Stage, WorldPaths
 from lisa.stages.render import lines_writer, plot_bench
 from lisa.stages.scoreboard import pick
@@ -106,8 +105,7 @@ def bench_spec(world: WorldParams, sample_p: SampleParams, p: BenchSpecParams, p
     vq, vq_meta = load_tokenizer(paths.tokenizer_file)
     check_pair(paths.target_file, target_meta, paths.tokenizer_file, vq_meta)
     cfg = model.config
-    drafters = method_drafters(methods, {"release": paths.drafter_file, "lid": paths.lid_drafter_file}, target_meta)
-    geometry = load_geometry(model, target_meta, vq, methods, p.neighbours, paths.calibration_file)
+    res = method_resources(methods, model, target_meta, vq, paths, p.neighbours)
     conditions, text_ms = _bench_conditions(world, cfg, sample_p, p, paths.target_file)
     sampling = sampling_config(world, p)  # the world's own values over the section's
 
@@ -116,8 +114,8 @@ def bench_spec(world: WorldParams, sample_p: SampleParams, p: BenchSpecParams, p
             return vq.decode(model.image_codes(tokens))
 
     compiled = [*p.compiled, *(m.name for m in picks)] if p.compiled else []
-    report = bench_speculative(model, {k: d for k, (d, _) in drafters.items()}, conditions, methods, sampling,
-                               p.repeats, p.warmup, p.seed, geometry, p.auto, vq_decode, compiled=compiled,
+    report = bench_speculative(model, res.modules, conditions, methods, sampling,
+                               p.repeats, p.warmup, p.seed, res.geometry, p.auto, vq_decode, compiled=compiled,
                                throughput=p.throughput)
     fields = {m.name: _fields(m) for m in methods}
     for row in report["methods"]:
@@ -127,8 +125,7 @@ def bench_spec(world: WorldParams, sample_p: SampleParams, p: BenchSpecParams, p
                "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
                             "cfg_scale": sampling.cfg_scale},
                "target_sha256": target_meta["sha256"], "tokenizer_sha256": vq_meta["sha256"],
-               "drafter_sha256": {k: meta["sha256"] for k, (_, meta) in drafters.items()},
-               "calibration_sha256": calibration_sha(geometry)}
+               "drafter_sha256": res.drafter_sha, "calibration_sha256": res.calibration_sha}
     out, w = paths.bench_dir, paths.world
     title = (f"Speculative decoding, {paths.world}: {cfg.n_layer}-layer dim-{cfg.dim} target "
              f"({model.num_params() / 1e6:.1f}M), T={sampling.temperature:g}, CFG {sampling.cfg_scale:g}, "

@@ -3,18 +3,21 @@ images and codes of a world, the drafters and geometry the decoding methods read
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from lisa.checkpoint import read_state_dict
-from lisa.config import BenchMethod, WorldParams
+from lisa.config import WorldParams
 from lisa.data import datasets as data
 from lisa.data.text import CaptionEncoder
+from lisa.decoding.methods import geometry_reads, method_geometry
 from lisa.models.gpt import grammar_grid, square_image_grammar
 from lisa.models.llamagen import load_drafter
 from lisa.quality import judges
+from lisa.stages.paths import WorldPaths
 
 
 def check_pair(target_file, target_meta: dict, tokenizer_file, vq_meta: dict) -> None:
@@ -148,36 +151,52 @@ def judge_scores(judge, images_u8: torch.Tensor, labels: torch.Tensor, captions:
     return "clip_score", judges.clip_scores(judge, x, captions).mean().item()
 
 
-def method_drafters(methods, paths: dict, target_meta: dict) -> dict:
-    """{"release" | "lid": (drafter, sidecar)} for the drafters the methods use (BenchMethod.drafter), checked against
-    the target."""
+@dataclass
+class MethodResources:
+    """What decoding methods read beside the target (lisa.decoding.methods): the drafters they use, loaded from the
+    world's files ({"release" | "lid": (drafter, sidecar)}), and the codebook geometry (None if no verifier reads
+    it)."""
+    drafters: dict
+    geometry: object
+
+    @property
+    def modules(self) -> dict:
+        """{"release" | "lid": drafter}: what lisa.decoding.methods.method_decoder picks the method's drafter from."""
+        return {k: d for k, (d, _) in self.drafters.items()}
+
+    @property
+    def drafter_sha(self) -> dict:
+        return {k: meta["sha256"] for k, (_, meta) in self.drafters.items()}
+
+    @property
+    def calibration_sha(self) -> Optional[str]:
+        return calibration_sha(self.geometry)
+
+
+def method_resources(methods, target, target_meta: dict, vq, paths: WorldPaths, neighbours: int) -> MethodResources:
+    """The drafters and geometry `methods` read, from the world's files, checked against the target: the release
+    drafter (data/drafter/<world>) or the LID one (data/ablation/<world>) per tree method (DecodeMethod.drafter),
+    the codebook, a neighbour table at least `neighbours` wide (lisa.decoding.methods.method_geometry; each stage
+    passes its own width), and for gasv the calibration of this very target (lisa.training.calibrate; another
+    checkpoint's is a CalibrationError). What a verifier reads is its registry entry's (Verifier.reads)."""
+    from lisa.training.calibrate import load_calibration
+
     out = {}
+    files = {"release": paths.drafter_file, "lid": paths.lid_drafter_file}
     for which in sorted({m.drafter for m in methods if m.drafts_tree}):
-        path = paths.get(which)
+        path = files.get(which)
         if path is None or not Path(path).is_file():
-            users = [m.name for m in methods if m.drafter == which and m.method != "vanilla"]
+            users = [getattr(m, "name", m.method) for m in methods if m.drafter == which and m.drafts_tree]
             raise FileNotFoundError(f"methods {users} need the {which} drafter: {path} not found "
                                     f"({'`lisa train-drafter`' if which == 'release' else '`lisa ablate-lid`'})")
         out[which] = load_drafter(path, target_meta)
-    return out
-
-
-def load_geometry(target, target_meta: dict, vq, methods: list[BenchMethod], neighbours: int,
-                  calibration_path: Optional[str | Path] = None):
-    """The codebook geometry the methods' verifiers read (None if none does): the neighbour table, and for gasv
-    the calibration of this very target (lisa.training.calibrate; another checkpoint's is a CalibrationError)."""
-    from lisa.decoding.verify import Geometry
-    from lisa.training.calibrate import load_calibration
-
-    used = {m.method for m in methods}
-    if not used & {"lantern", "gsd", "gasv"}:
-        return None
-    geometry = Geometry.from_codebook(target_codebook(vq, target.config), neighbours)
-    if "gasv" in used:
-        if calibration_path is None:
+    reads, calibration = geometry_reads(methods), None
+    if "calibration" in reads:
+        if paths.calibration_file is None:
             raise FileNotFoundError("gasv needs a calibration (`lisa calibrate`)")
-        geometry.calibration = load_calibration(calibration_path, target.output.weight, target_meta["sha256"])
-    return geometry
+        calibration = load_calibration(paths.calibration_file, target.output.weight, target_meta["sha256"])
+    codebook = target_codebook(vq, target.config) if reads else None
+    return MethodResources(out, method_geometry(methods, codebook, neighbours, calibration))
 
 
 def calibration_sha(geometry) -> Optional[str]:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from lisa.checkpoint import file_sha256, save_artifact, write_json
 from lisa.config import (AblateArchParams, AblateLIDParams, CacheLogitsParams, CalibrateParams, SampleParams,
                          TrainDrafterParams, WorldParams, seed_for)
-from lisa.decoding.generate import tree_spec
+from lisa.decoding.methods import tree_spec
 from lisa.decoding.sampling import sampling_config
 from lisa.models.llamagen import load_target, load_tokenizer
 from lisa.stages.common import load_codes, target_codebook, text_conditions
@@ -165,7 +165,7 @@ def ablate_arch(world: WorldParams, train_p: TrainDrafterParams, p: AblateArchPa
     (conditions of sample.classes / sample.prompts, vanilla and speculative interleaved per condition, eager)
     -> arch_report/<drafter>.json and its curves."""
     from lisa.bench.regime import step_costs
-    from lisa.decoding.generate import decoder
+    from lisa.decoding.methods import decoder
     from lisa.training.drafter import new_drafter, train_drafter as train
 
     if drafter not in p.drafters:

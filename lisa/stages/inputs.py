@@ -16,16 +16,17 @@ from typing import Optional
 
 from lisa.checkpoint import atomic_write_all, file_sha256, json_writer, read_json
 from lisa.config import DecodeMethod, Params
+from lisa.decoding.methods import decoder_config
 from lisa.stages.paths import Stage, WorldPaths
 
 
 def method_reads(m: DecodeMethod, paths: WorldPaths) -> dict[str, Path]:
     """{what: file} a method reads besides the target, tokenizer and data: its drafter (tree verifiers) and the
-    calibration (gasv)."""
-    reads = {}
-    if m.method != "vanilla" and m.drafts_tree:
-        reads["drafter"] = paths.drafter_file if m.drafter == "release" else paths.lid_drafter_file
-    if m.method == "gasv":
+    calibration (a verifier whose registry entry reads one: gasv), as lisa.decoding.methods.decoder_config says."""
+    c, reads = decoder_config(m), {}
+    if c.drafter is not None:
+        reads["drafter"] = paths.drafter_file if c.drafter == "release" else paths.lid_drafter_file
+    if "calibration" in c.reads:
         reads["calibration"] = paths.calibration_file
     return reads
 

@@ -16,13 +16,13 @@ from tqdm import tqdm
 from lisa.checkpoint import atomic_write_all, json_writer, read_state_dict, save_artifact, write_json
 from lisa.config import EvaluateParams, QualityParams, TableParams, TrainJudgeParams, WorldParams, seed_for
 from lisa.data import datasets as data
-from lisa.decoding.generate import method_decoder
+from lisa.decoding.methods import method_decoder
 from lisa.decoding.sampling import sampling_config
 from lisa.models.llamagen import load_target, load_tokenizer
 from lisa.quality import fid, judges
 from lisa.quality import metrics as quality
-from lisa.stages.common import (calibration_sha, check_pair, class_names, eval_conditions, image_tokenizer,
-                                judge_scores, load_geometry, load_images, method_drafters)
+from lisa.stages.common import (check_pair, class_names, eval_conditions, image_tokenizer, judge_scores, load_images,
+                                method_resources)
 from lisa.stages.inputs import check_inputs
 from lisa.stages.paths import Stage, WorldPaths
 from lisa.stages.render import lines_writer, quality_grid
@@ -177,19 +177,20 @@ def evaluate(world: WorldParams, p: EvaluateParams, q: QualityParams, paths: Wor
 
 
 def _method_decoder(s: _Scored, m, p: TableParams, paths: WorldPaths, manifest: Path):
-    """(decode, drafters, geometry) of a decoding method (a table cell's, a scoreboard point's) on the target;
-    p.compile: the forwards under torch.compile. manifest: the method's method-inputs manifest, which what is
-    loaded must match (lisa.stages.inputs.check_inputs)."""
-    drafters = method_drafters([m], {"release": paths.drafter_file, "lid": paths.lid_drafter_file}, s.target_meta)
-    geometry = load_geometry(s.model, s.target_meta, s.vq, [m], min(64, s.model.config.vocab_size - 1),
-                             paths.calibration_file)
-    check_inputs(manifest, drafters[m.drafter][1]["sha256"] if m.drafter in drafters else None,
-                 calibration_sha(geometry))
-    if geometry is not None and geometry.calibration is not None:
-        geometry.neighbours = geometry.calibration.neighbours
-    drafter = drafters[m.drafter][0] if m.drafter in drafters else None
-    decode = method_decoder(m, s.model, drafter, geometry, measure=m.method != "vanilla", compile=p.compile)
-    return decode, drafters, geometry
+    """(decode, resources) of a decoding method (a table cell's, a scoreboard point's) on the target, measuring the
+    TV of a verifier's tokens; its neighbour table `quality_neighbours` wide; p.compile: the forwards under
+    torch.compile. manifest: the method's method-inputs manifest, which what is loaded must match
+    (lisa.stages.inputs.check_inputs)."""
+    res = method_resources([m], s.model, s.target_meta, s.vq, paths, quality_neighbours(s.model.config))
+    check_inputs(manifest, res.drafter_sha.get(m.drafter) if m.drafts_tree else None, res.calibration_sha)
+    decode = method_decoder(m, s.model, res.modules, res.geometry, measure=m.method != "vanilla", compile=p.compile)
+    return decode, res
+
+
+def quality_neighbours(cfg) -> int:
+    """The neighbour table's width in the quality stages (eval-method, sweep, quality-point): 64 codes, fewer in a
+    smaller vocabulary (sample and bench-spec take theirs from params: sample.neighbours, bench_spec.neighbours)."""
+    return min(64, cfg.vocab_size - 1)
 
 
 def decode_conditions(decode, conds: torch.Tensor, sampling, batch_size: int, seed: int, desc: str,
@@ -227,14 +228,14 @@ def eval_method(world: WorldParams, name: str, p: TableParams, q: QualityParams,
         raise ValueError(f"--method {name!r}: not a key of params table.cells {sorted(p.cells)}")
     m = p.cells[name].as_method(name)
     s = _scored(paths, p.num_samples)
-    decode, drafters, geometry = _method_decoder(s, m, p, paths, paths.inputs_dir / "cells" / f"{name}.json")
+    decode, res = _method_decoder(s, m, p, paths, paths.inputs_dir / "cells" / f"{name}.json")
     sampling = sampling_config(world, p)  # the world's own values over the section's
-    drafter_sha = {k: meta["sha256"] for k, (_, meta) in drafters.items()}
+    drafter_sha = res.drafter_sha
     recipe = [s.target_meta["sha256"], s.vq_meta["sha256"], asdict(m),
               # compile enters the recipe only when set (its tokens may differ in the last bits of a logit)
               {k: v for k, v in asdict(p).items() if k not in ("rows", "pareto", "cells") and (k != "compile" or v)},
               drafter_sha,
-              calibration_sha(geometry)] + ([world.sampling] if world.sampling else [])
+              res.calibration_sha] + ([world.sampling] if world.sampling else [])
     work = paths.cells_work / (name + "-" + _recipe_hash(recipe))
     stats_path = work / "decode.json"
     tokens = quality.cached(work / "tokens.safetensors", "tokens",
@@ -244,7 +245,7 @@ def eval_method(world: WorldParams, name: str, p: TableParams, q: QualityParams,
     metrics = {"world_method": name, "method": asdict(m), "samples": len(tokens), "tau": dstats["tau"],
                "tv_mean": dstats["tv_mean"], "decode_s": dstats["decode_s"]} | scores
     metrics |= {"target_sha256": s.target_meta["sha256"], "judge_sha256": s.judge_meta["sha256"],
-                "drafter_sha256": drafter_sha, "calibration_sha256": calibration_sha(geometry)}
+                "drafter_sha256": drafter_sha, "calibration_sha256": res.calibration_sha}
     out = paths.cells_dir
     grid = quality_grid(images, s.labels, s.captions, s.model.config, class_names(world), s.vq, s.codes["test_codes"],
                         rows=5)

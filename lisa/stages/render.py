@@ -8,7 +8,7 @@ import torch
 from lisa.checkpoint import atomic_write
 from lisa.data import datasets as data
 from lisa.data.images import grid_image
-from lisa.decoding.generate import method_spec
+from lisa.decoding.methods import method_spec
 from lisa.quality import metrics as quality
 
 

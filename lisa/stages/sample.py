@@ -4,22 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from pathlib import Path
 from typing import Optional
 
 import torch
 from tqdm import tqdm
 
 from lisa.checkpoint import atomic_write_all, json_writer, write_json
-from lisa.config import AutoTreeParams, PremiseParams, SampleParams, WorldParams
+from lisa.config import AutoTreeParams, Params, PremiseParams, SampleParams, WorldParams
 from lisa.data import datasets as data
 from lisa.data.images import grid_image
-from lisa.bench.speed import auto_tree, resolve_auto
-from lisa.decoding.generate import method_decoder
+from lisa.decoding.methods import auto_tree, method_decoder, resolve_auto
 from lisa.decoding.sampling import SamplingConfig, sampling_config
-from lisa.models.llamagen import load_drafter, load_target, load_tokenizer
+from lisa.decoding.verify import VERIFIERS
+from lisa.models.llamagen import load_target, load_tokenizer
 from lisa.quality.premise import premise_stats
-from lisa.stages.common import (check_pair, class_names, load_codes, load_geometry, target_codebook,
+from lisa.stages.common import (check_pair, class_names, load_codes, method_resources, target_codebook,
                                 text_conditions)
 from lisa.stages.paths import Stage, WorldPaths
 
@@ -54,8 +53,7 @@ def sample(world: WorldParams, p: SampleParams, paths: WorldPaths) -> dict:
     gen = torch.Generator().manual_seed(p.seed)
     tokens, images, taus, decode_s, auto = [], [], [], 0.0, {}
     t0 = time.perf_counter()
-    decode = _decoder(model, vq, target_meta, p, paths.drafter_file, calib=cond[: p.batch_size], auto=auto,
-                      calibration_path=paths.calibration_file)
+    decode = _decoder(model, vq, target_meta, p, paths, calib=cond[: p.batch_size], auto=auto)
     for batch in tqdm(cond.split(p.batch_size), desc=f"sample ({p.method})", unit="batch"):
         tok, stats = decode(batch, sampling, gen)
         taus.append(stats.get("tau", 1.0))
@@ -87,27 +85,21 @@ def _save_pt(obj, path) -> None:
         torch.save(obj, f)
 
 
-def _decoder(model, vq, target_meta: dict, p: SampleParams, drafter_path, calib=None, auto: Optional[dict] = None,
-             calibration_path=None):
-    """(cond, sampling, generator) -> (tokens, stats) for the method p.method. With p.tree "auto", the cost model
+def _decoder(model, vq, target_meta: dict, p: SampleParams, paths: WorldPaths, calib=None,
+             auto: Optional[dict] = None):
+    """(cond, sampling, generator) -> (tokens, stats) for the method p (lisa.decoding.methods.method_decoder) with
+    the drafter and geometry it reads, its neighbour table `p.neighbours` wide. With p.tree "auto", the cost model
     picks depth and total_tokens from decoding the conditions `calib` on this machine (recorded in `auto`)."""
-    # the neighbour table is V x V work: only for the verifiers that read it
-    geometry = load_geometry(model, target_meta, vq, [p], p.neighbours, calibration_path)
-    drafter = None
-    if p.drafts_tree:
-        if drafter_path is None or not Path(drafter_path).is_file():
-            raise FileNotFoundError(f"sample.method {p.method!r} needs a drafter: {drafter_path} not found "
-                                    "(`lisa train-drafter`)")
-        drafter, _ = load_drafter(drafter_path, target_meta)
-    if p.tree == "auto" and drafter is not None:
+    res = method_resources([p], model, target_meta, vq, paths, p.neighbours)
+    if p.tree == "auto" and p.drafts_tree:
         sampling = SamplingConfig(p.temperature, p.top_k, p.top_p, p.cfg_scale)  # as before: not the world's
-        choice = auto_tree(model, drafter, [{"label": "calibration", "cond": calib}], p, sampling, p.seed,
-                           geometry, AutoTreeParams(calib_conditions=1))
+        choice = auto_tree(model, res.modules[p.drafter], [{"label": "calibration", "cond": calib}], p, sampling,
+                           p.seed, res.geometry, AutoTreeParams(calib_conditions=1))
         p = resolve_auto(p, choice)
         if auto is not None:
             auto.update(draft=choice.draft, branching=choice.branching, depth=choice.depth,
                         total_tokens=choice.total_tokens, why=choice.why)
-    return method_decoder(p, model, drafter, geometry, compile=p.compile)
+    return method_decoder(p, model, res.modules, res.geometry, compile=p.compile)
 
 
 def premise(p: PremiseParams, paths: WorldPaths) -> dict:
@@ -123,14 +115,22 @@ def premise(p: PremiseParams, paths: WorldPaths) -> dict:
     return stats
 
 
-def _sample_params(p: SampleParams, method: Optional[str], compile: Optional[bool] = None) -> SampleParams:
-    p = dataclasses.replace(p, method=method) if method else p
+def sample_params(params: Params, method: Optional[str] = None, compile: Optional[bool] = None) -> SampleParams:
+    """params.sample with the method `method` (the CLI's --method) and compile set: vanilla or a verifier (with
+    sample's own tree / window and options), or a named method (Params.named_method: table.cells, bench_spec.methods)
+    with all its fields."""
+    p = params.sample
+    if method in ("vanilla", *VERIFIERS):
+        p = dataclasses.replace(p, method=method)
+    elif method:
+        m = params.named_method(method)
+        p = dataclasses.replace(p, **{f.name: getattr(m, f.name) for f in dataclasses.fields(m)})
     return dataclasses.replace(p, compile=True) if compile else p
 
 
 STAGES = {
-    "sample": Stage(lambda c, method=None, compile=None: sample(
-        c.world, _sample_params(c.params.sample, method, compile), c.paths),
+    "sample": Stage(lambda c, method=None, compile=None: sample(c.world, sample_params(c.params, method, compile),
+                                                               c.paths),
                     out="samples_dir"),
     "premise": Stage(lambda c: premise(c.params.premise, c.paths), out="premise_report"),
 }

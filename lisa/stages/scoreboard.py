@@ -32,7 +32,7 @@ from lisa.data import datasets as data
 from lisa.decoding.sampling import sampling_config
 from lisa.quality import compare, fid, judges
 from lisa.quality import metrics as quality
-from lisa.stages.common import calibration_sha, load_images
+from lisa.stages.common import load_images
 from lisa.stages.paths import Stage, WorldPaths
 from lisa.stages.quality import _method_decoder, _scored, decode_conditions
 from lisa.stages.render import lines_writer, scoreboard_plot
@@ -61,12 +61,11 @@ def decode_code(root: Optional[Path] = None) -> str:
     return h.hexdigest()[:12]
 
 
-def _recipe(s, m, drafters, geometry, world: WorldParams, extra) -> list:
-    """What a cached decode depends on: the target, tokenizer, method, drafters, calibration, settings and the
-    decoding code."""
-    return [s.target_meta["sha256"], s.vq_meta["sha256"], asdict(m), {k: meta["sha256"] for k, (_, meta) in
-                                                                      drafters.items()},
-            calibration_sha(geometry), world.sampling or {}, extra, decode_code()]
+def _recipe(s, m, res, world: WorldParams, extra) -> list:
+    """What a cached decode depends on: the target, tokenizer, method, drafters, calibration (res:
+    lisa.stages.common.MethodResources), settings and the decoding code."""
+    return [s.target_meta["sha256"], s.vq_meta["sha256"], asdict(m), res.drafter_sha, res.calibration_sha,
+            world.sampling or {}, extra, decode_code()]
 
 
 def sweep(world: WorldParams, family: str, p: ScoreboardParams, paths: WorldPaths) -> dict:
@@ -79,9 +78,9 @@ def sweep(world: WorldParams, family: str, p: ScoreboardParams, paths: WorldPath
     sampling = sampling_config(world, p)
     rows = []
     for label, m in fam.points():
-        decode, drafters, geometry = _method_decoder(s, m, _table(p, p.sweep_batch), paths,
-                                                     paths.inputs_dir / "families" / f"{family}.json")
-        key = _hash(_recipe(s, m, drafters, geometry, world, [p.sweep_images, p.sweep_batch, p.seed, asdict(sampling)]))
+        decode, res = _method_decoder(s, m, _table(p, p.sweep_batch), paths,
+                                      paths.inputs_dir / "families" / f"{family}.json")
+        key = _hash(_recipe(s, m, res, world, [p.sweep_images, p.sweep_batch, p.seed, asdict(sampling)]))
         cached = paths.sweep_work / family / f"{label}-{key}.json"
         if cached.is_file():
             stats = read_json(cached)
@@ -132,9 +131,9 @@ def quality_point(world: WorldParams, name: str, p: ScoreboardParams, q: Quality
     sampling = sampling_config(world, p)
     sampling = replace(sampling, temperature=pt.temperature if pt.temperature is not None else sampling.temperature,
                        top_k=pt.top_k if pt.top_k is not None else sampling.top_k)
-    decode, drafters, geometry = _method_decoder(s, m, _table(p, p.batch_size), paths,
-                                                 paths.inputs_dir / "families" / f"{pt.family}.json")
-    work = paths.points_work / (name + "-" + _hash(_recipe(s, m, drafters, geometry, world,
+    decode, res = _method_decoder(s, m, _table(p, p.batch_size), paths,
+                                  paths.inputs_dir / "families" / f"{pt.family}.json")
+    work = paths.points_work / (name + "-" + _hash(_recipe(s, m, res, world,
                                                           [p.num_samples, p.batch_size, p.seed + pt.seed,
                                                            asdict(sampling)])))
     stats_file = work / "decode.json"
