@@ -279,6 +279,10 @@ COMMANDS = {
     "quality-point": ("one image-quality point of the scoreboard (params scoreboard.points): a family at a TV budget, "
                       "Inception FID / KID / precision / recall, judge-space FD / KID and the judge's score with "
                       "bootstrap 95%% intervals -> reports/scoreboard/<world>/quality/<point>.json", ["point"]),
+    "method-inputs": ("what each decoding method of a world reads besides the target (its drafter, GASV's "
+                      "calibration), per table cell and scoreboard family: the files and their sha256, what "
+                      "eval-method / sweep / quality-point depend on -> data/methods/<world>/{cells,families}/<key>.json",
+                      []),
     "scoreboard": ("the matched-quality scoreboard of a world from its sweep and quality points: tau at each TV budget "
                    "per family, the frontier plot -> reports/scoreboard/<world>.{md,json,png}", []),
     "table": ("the results table and the tau-FID Pareto plot from bench-spec and eval-method "

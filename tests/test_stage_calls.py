@@ -7,7 +7,7 @@ import pytest
 import tasks.stages as tasks
 from lisa.cli import main
 from lisa.config import profile_text
-from lisa.stages import (STAGES, WorldPaths, bench, build, corpora, drafter, quality, report, sample,
+from lisa.stages import (STAGES, WorldPaths, bench, build, corpora, drafter, inputs, quality, report, sample,
                          scoreboard)
 
 # stage -> (its module, its function, the task of the same name)
@@ -23,6 +23,7 @@ FUNCTIONS = {
     "fid-reference": (quality, "fid_reference", tasks.fid_reference),
     "train-judge": (quality, "train_judge", tasks.train_judge),
     "evaluate": (quality, "evaluate", tasks.evaluate),
+    "method-inputs": (inputs, "method_inputs", tasks.method_inputs),
     "eval-method": (quality, "eval_method", tasks.eval_method),
     "train-drafter": (drafter, "train_drafter", tasks.train_drafter),
     "cache-logits": (drafter, "cache_logits", tasks.cache_logits),

@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Optional
 
 from lisa.config import ConfigError, load_params
-from lisa.stages import bench, build, corpora, drafter, quality, report, sample, scoreboard
+from lisa.stages import bench, build, corpora, drafter, inputs, quality, report, sample, scoreboard
 from lisa.stages.paths import Call, SharedPaths, Stage, WorldPaths
 
 STAGES: dict[str, Stage] = (build.STAGES | sample.STAGES | quality.STAGES | drafter.STAGES | corpora.STAGES
-                            | bench.STAGES | report.STAGES | scoreboard.STAGES)
+                            | bench.STAGES | report.STAGES | scoreboard.STAGES | inputs.STAGES)
 
 
 def _split(options: dict, cls) -> tuple[dict, dict]:

@@ -59,6 +59,7 @@ class WorldPaths:
     bench_ddp_work: Path
     cells_dir: Path
     cells_work: Path
+    inputs_dir: Path  # method-inputs: what each table cell / scoreboard family reads, {cells,families}/<key>.json
     summary_file: Path  # the world's headline metrics (reports/summary/<world>.json)
     sweep_dir: Path  # the scoreboard's sweep: <family>.json per family
     sweep_work: Path
@@ -102,6 +103,7 @@ class WorldPaths:
             bench_dir=reports / "bench", bench_ddp_report=reports / "bench" / f"ddp-{w}",
             bench_ddp_work=work / "bench-ddp" / w,
             cells_dir=reports / "quality" / w / "methods", cells_work=work / "quality" / w / "methods",
+            inputs_dir=data / "methods" / w,
             summary_file=reports / "summary" / f"{w}.json",
             sweep_dir=reports / "scoreboard" / w / "sweep", sweep_work=work / "scoreboard" / w / "sweep",
             points_dir=reports / "scoreboard" / w / "quality", points_work=work / "scoreboard" / w / "quality",

@@ -23,6 +23,7 @@ from lisa.quality import fid, judges
 from lisa.quality import metrics as quality
 from lisa.stages.common import (check_pair, class_names, eval_conditions, image_tokenizer, judge_scores, load_images,
                                 method_resources)
+from lisa.stages.inputs import check_inputs
 from lisa.stages.paths import Stage, WorldPaths
 from lisa.stages.render import lines_writer, quality_grid
 
@@ -175,11 +176,13 @@ def evaluate(world: WorldParams, p: EvaluateParams, q: QualityParams, paths: Wor
     return metrics
 
 
-def _method_decoder(s: _Scored, m, p: TableParams, paths: WorldPaths):
+def _method_decoder(s: _Scored, m, p: TableParams, paths: WorldPaths, manifest: Path):
     """(decode, resources) of a decoding method (a table cell's, a scoreboard point's) on the target, measuring the
     TV of a verifier's tokens; its neighbour table `quality_neighbours` wide; p.compile: the forwards under
-    torch.compile."""
+    torch.compile. manifest: the method's method-inputs manifest, which what is loaded must match
+    (lisa.stages.inputs.check_inputs)."""
     res = method_resources([m], s.model, s.target_meta, s.vq, paths, quality_neighbours(s.model.config))
+    check_inputs(manifest, res.drafter_sha.get(m.drafter) if m.drafts_tree else None, res.calibration_sha)
     decode = method_decoder(m, s.model, res.modules, res.geometry, measure=m.method != "vanilla", compile=p.compile)
     return decode, res
 
@@ -225,7 +228,7 @@ def eval_method(world: WorldParams, name: str, p: TableParams, q: QualityParams,
         raise ValueError(f"--method {name!r}: not a key of params table.cells {sorted(p.cells)}")
     m = p.cells[name].as_method(name)
     s = _scored(paths, p.num_samples)
-    decode, res = _method_decoder(s, m, p, paths)
+    decode, res = _method_decoder(s, m, p, paths, paths.inputs_dir / "cells" / f"{name}.json")
     sampling = sampling_config(world, p)  # the world's own values over the section's
     drafter_sha = res.drafter_sha
     recipe = [s.target_meta["sha256"], s.vq_meta["sha256"], asdict(m),

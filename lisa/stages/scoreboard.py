@@ -78,7 +78,8 @@ def sweep(world: WorldParams, family: str, p: ScoreboardParams, paths: WorldPath
     sampling = sampling_config(world, p)
     rows = []
     for label, m in fam.points():
-        decode, res = _method_decoder(s, m, _table(p, p.sweep_batch), paths)
+        decode, res = _method_decoder(s, m, _table(p, p.sweep_batch), paths,
+                                      paths.inputs_dir / "families" / f"{family}.json")
         key = _hash(_recipe(s, m, res, world, [p.sweep_images, p.sweep_batch, p.seed, asdict(sampling)]))
         cached = paths.sweep_work / family / f"{label}-{key}.json"
         if cached.is_file():
@@ -130,7 +131,8 @@ def quality_point(world: WorldParams, name: str, p: ScoreboardParams, q: Quality
     sampling = sampling_config(world, p)
     sampling = replace(sampling, temperature=pt.temperature if pt.temperature is not None else sampling.temperature,
                        top_k=pt.top_k if pt.top_k is not None else sampling.top_k)
-    decode, res = _method_decoder(s, m, _table(p, p.batch_size), paths)
+    decode, res = _method_decoder(s, m, _table(p, p.batch_size), paths,
+                                  paths.inputs_dir / "families" / f"{pt.family}.json")
     work = paths.points_work / (name + "-" + _hash(_recipe(s, m, res, world,
                                                           [p.num_samples, p.batch_size, p.seed + pt.seed,
                                                            asdict(sampling)])))

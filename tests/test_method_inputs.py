@@ -1,0 +1,83 @@
+"""method-inputs: one manifest per table cell / scoreboard family naming exactly the files the method reads, and the
+stages' run-time check against it (lisa/stages/inputs.py)."""
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lisa.checkpoint import file_sha256, read_json
+from lisa.config import load_params
+from lisa.stages.inputs import check_inputs, method_inputs
+from lisa.stages.paths import WorldPaths
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _world(tmp_path) -> WorldPaths:
+    paths = WorldPaths.of("fashion-c2i", tmp_path)
+    for f, text in ((paths.drafter_file, "release"), (paths.lid_drafter_file, "lid"), (paths.calibration_file, "cal")):
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
+    return paths
+
+
+def test_each_method_names_what_it_reads(tmp_path):
+    p, paths = load_params(ROOT / "params.yaml"), _world(tmp_path)
+    method_inputs(p, paths)
+    sha = {f: file_sha256(f) for f in (paths.drafter_file, paths.lid_drafter_file, paths.calibration_file)}
+    for kind, methods in (("cells", p.table.cells), ("families", p.scoreboard.families)):
+        for key, m in methods.items():
+            reads = read_json(paths.inputs_dir / kind / f"{key}.json")["reads"]
+            want = {}
+            if m.method != "vanilla" and m.drafts_tree:
+                f = paths.drafter_file if m.drafter == "release" else paths.lid_drafter_file
+                want["drafter"] = {"file": f.as_posix(), "sha256": sha[f]}
+            if m.method == "gasv":
+                want["calibration"] = {"file": paths.calibration_file.as_posix(), "sha256": sha[paths.calibration_file]}
+            assert reads == want, (kind, key)
+    cells = p.table.cells
+    assert read_json(paths.inputs_dir / "cells" / "vanilla.json")["reads"] == {}
+    assert set(read_json(paths.inputs_dir / "cells" / "lisa-a.json")["reads"]) == {"drafter", "calibration"}
+    assert cells["lisa-a"].drafter == "lid" and cells["exact-sampled"].drafter == "release"
+
+
+def test_a_retrained_drafter_changes_only_its_readers(tmp_path):
+    """What DVC sees: after a new release drafter, only the manifests of the methods that read it differ."""
+    p, paths = load_params(ROOT / "params.yaml"), _world(tmp_path)
+    method_inputs(p, paths)
+    before = {f: f.read_bytes() for f in paths.inputs_dir.glob("*/*.json")}
+    paths.drafter_file.write_text("retrained")
+    method_inputs(p, paths)
+    changed = {f.relative_to(paths.inputs_dir).as_posix() for f, b in before.items() if f.read_bytes() != b}
+    readers = {f"{kind}/{k}.json" for kind, ms in (("cells", p.table.cells), ("families", p.scoreboard.families))
+               for k, m in ms.items() if m.method != "vanilla" and m.drafts_tree and m.drafter == "release"}
+    assert changed == readers and "cells/vanilla.json" not in changed and "cells/lisa-a.json" not in changed
+
+
+def test_a_method_dropped_from_params_loses_its_manifest(tmp_path):
+    p, paths = load_params(ROOT / "params.yaml"), _world(tmp_path)
+    method_inputs(p, paths)
+    text = yaml.safe_load((ROOT / "params.yaml").read_text())
+    del text["table"]["cells"]["gasv-n32"]
+    text["table"]["pareto"].remove("gasv-n32")
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(text))
+    method_inputs(load_params(tmp_path / "params.yaml"), paths)
+    assert not (paths.inputs_dir / "cells" / "gasv-n32.json").exists()
+    assert (paths.inputs_dir / "cells" / "gasv-n16.json").exists()
+
+
+def test_check_refuses_files_the_manifest_does_not_name(tmp_path):
+    p, paths = load_params(ROOT / "params.yaml"), _world(tmp_path)
+    method_inputs(p, paths)
+    lisa_a = paths.inputs_dir / "cells" / "lisa-a.json"
+    lid, cal = file_sha256(paths.lid_drafter_file), file_sha256(paths.calibration_file)
+    check_inputs(lisa_a, lid, cal)
+    check_inputs(paths.inputs_dir / "cells" / "vanilla.json", None, None)
+    with pytest.raises(ValueError, match="drafter changed"):
+        check_inputs(lisa_a, file_sha256(paths.drafter_file), cal)
+    with pytest.raises(ValueError, match="calibration changed"):
+        check_inputs(lisa_a, lid, None)
+    with pytest.raises(ValueError, match="drafter"):  # vanilla loading a drafter: not what its manifest says
+        check_inputs(paths.inputs_dir / "cells" / "vanilla.json", lid, None)
+    with pytest.raises(FileNotFoundError, match="method-inputs"):
+        check_inputs(paths.inputs_dir / "cells" / "nope.json", None, None)
