@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Optional
 from pathlib import Path
 
 from lisa import __version__
@@ -47,6 +48,25 @@ def cmd_estimate(a):
     return None
 
 
+def drafter_archs(specs: Optional[list[str]]) -> Optional[dict]:
+    """`--drafter NAME[:KEY=VALUE,...]` flags -> {name: {key: int value}} (None when none given)."""
+    if not specs:
+        return None
+    out = {}
+    for spec in specs:
+        name, _, rest = spec.partition(":")
+        arch = {}
+        for kv in filter(None, rest.split(",")):
+            key, eq, value = kv.partition("=")
+            if not eq or not value.lstrip("-").isdigit():
+                raise SystemExit(f"--drafter {spec!r}: {kv!r} is not KEY=INTEGER (e.g. head_rank=256)")
+            arch[key] = int(value)
+        if not name or name in out:
+            raise SystemExit(f"--drafter {spec!r}: each drafter needs its own name")
+        out[name] = arch
+    return out
+
+
 def cmd_replay(a):
     from pathlib import Path
 
@@ -56,7 +76,8 @@ def cmd_replay(a):
 
     rc = ReplayConfig(**{k: v for k, v in dict(shape=a.shape, methods=a.methods, image_tokens=a.tokens,
                                                 images=a.images, repeats=a.repeats, modes=a.modes, dtype=a.dtype,
-                                                threads=a.threads).items() if v is not None})
+                                                threads=a.threads, drafters=drafter_archs(a.drafter)).items()
+                         if v is not None})
     report_path = Path(a.bench) / f"{a.world}.json"
     if not report_path.is_file():
         raise FileNotFoundError(f"{report_path}: no bench report of {a.world} (`lisa bench-spec --world {a.world}`)")
@@ -413,6 +434,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--modes", nargs="+", default=None, choices=["eager", "compiled"])
     s.add_argument("--dtype", default=None, choices=["fp32", "bf16"])
     s.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    s.add_argument("--drafter", action="append", default=None, metavar="NAME[:KEY=VALUE,...]",
+                   help="a drafter architecture to time (repeatable; the first names the rows without '@'): "
+                   "DrafterConfig overrides, e.g. eagle3 and cheap:ffn_dim=0,head_rank=256 (default: eagle3, the "
+                   "release architecture)")
     s.add_argument("--bench", default="reports/bench", help="folder of the bench-spec reports")
     s.add_argument("--device", default=None, help="default: cpu")
     s.add_argument("--out", default=None, help="report path without suffix")

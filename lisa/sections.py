@@ -219,9 +219,11 @@ class DrafterArch:
     width: Count0 = 0  # residual width D (0 = the target's dim)
     ffn_dim: Optional[Count0] = None  # SwiGLU hidden size (None = the target's rule for width D; 0 = none)
     n_head: Optional[Count] = None  # attention heads (None = the target's; must divide D)
+    head_rank: Count0 = 0  # the LM head factored D -> head_rank -> V (0 = one D -> V layer)
 
     def overrides(self) -> dict:
-        return {"width": self.width, "ffn_dim": self.ffn_dim} | ({"n_head": self.n_head} if self.n_head else {})
+        return ({"width": self.width, "ffn_dim": self.ffn_dim} | ({"n_head": self.n_head} if self.n_head else {})
+                | ({"head_rank": self.head_rank} if self.head_rank else {}))
 
 
 @dataclass(config=STRICT)
@@ -316,6 +318,7 @@ class ArchEntry(DrafterArch):
     """One drafter of the ablate-arch sweep: its architecture, and its training steps (None = the section's), so
     that a cheaper drafter can be compared at equal training wall clock."""
     steps: Optional[Count] = None
+    ttt: Optional[Literal["concat", "incremental"]] = None  # how TTT is computed (None = train_drafter's; same losses)
 
 
 @dataclass(config=STRICT)

@@ -45,7 +45,8 @@ def test_kv_cache_decoding_equals_full_forward():
     torch.testing.assert_close(inc, full.logits, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kw", [dict(width=32, n_head=2), dict(ffn_dim=0), dict(width=32, n_head=2, ffn_dim=16)])
+@pytest.mark.parametrize("kw", [dict(width=32, n_head=2), dict(ffn_dim=0), dict(width=32, n_head=2, ffn_dim=16),
+                                dict(ffn_dim=0, head_rank=8), dict(width=32, n_head=2, head_rank=4)])
 def test_cheaper_drafters_decode_like_their_full_forward(kw):
     """A narrower residual stream (width D < H) and a smaller or absent SwiGLU: fused features and hidden states
     are D wide, the embedding stays the target's (H), cache decoding equals the full forward."""
@@ -120,3 +121,33 @@ def test_medusa_heads():
     assert out.logits.shape == (2, 5, 3, 64)
     with pytest.raises(ValueError, match="kind"):
         Eagle3Drafter(m.config)
+
+
+def test_factored_head_starts_from_the_targets_truncated_svd():
+    """head_rank r: the head is D -> r -> V; from a target of the drafter's width it starts at the target head's
+    best rank-r approximation (at r = H - 1 of a rank-deficient head: the head itself), and refuses r outside
+    1..min(D, V) - 1; a checkpoint's config round-trips and old configs (no head_rank) load as full heads."""
+    from lisa.training.drafter import new_drafter
+
+    target = micro_gpt()
+    W = target.output.weight.detach()
+    for r in (4, 16):
+        d = new_drafter(target, head_rank=r)
+        assert d.head_in.weight.shape == (r, 64) and d.output.weight.shape == (64, r)
+        U, S, Vh = torch.linalg.svd(W, full_matrices=False)
+        best = (U[:, :r] * S[:r]) @ Vh[:r]
+        torch.testing.assert_close(d.output.weight @ d.head_in.weight, best, atol=1e-5, rtol=1e-4)
+        x = torch.randn(3, 64)
+        torch.testing.assert_close(d.output(d.head_in(x)), x @ best.T, atol=1e-5, rtol=1e-4)
+    with torch.no_grad():  # a head of rank 10 is reproduced exactly at any r >= 10
+        target.output.weight.copy_(torch.randn(64, 10) @ torch.randn(10, 64) / 8)
+    d = new_drafter(target, head_rank=12)
+    torch.testing.assert_close(d.output.weight @ d.head_in.weight, target.output.weight, atol=1e-5, rtol=1e-4)
+    full = sum(p.numel() for p in new_drafter(target).parameters())
+    assert sum(p.numel() for p in new_drafter(target, head_rank=8).parameters()) == full - 64 * 64 + 2 * 64 * 8
+    for bad in (-1, 64, 100):
+        with pytest.raises(ValueError, match="head_rank"):
+            DrafterConfig.for_target(target.config, head_rank=bad)
+    old = {k: v for k, v in d.config.to_dict().items() if k != "head_rank"}
+    assert DrafterConfig.from_dict(old).head_rank == 0
+    assert DrafterConfig.from_dict(d.config.to_dict()) == d.config

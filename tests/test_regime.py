@@ -140,6 +140,35 @@ def test_replayed_loop_at_a_shape():
     assert "acceptance replayed from toy" in replay_markdown(r)
 
 
+def test_replay_times_each_drafter_architecture():
+    """ReplayConfig.drafters: every method runs with each architecture ("method @ name" rows), each with its own
+    bare drafter step; a cheaper architecture reads fewer weights per step; a bad override names its field."""
+    from lisa.bench.replay import ReplayConfig, replay_bench, replay_markdown
+    from lisa.cli import drafter_archs
+    from lisa.models.gpt import gpt_config
+
+    report = {"world": "toy", "sampling": {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "cfg_scale": 2.0},
+              "methods": [{"name": "exact-sampled", "tree": "dynamic", "depth": 3, "top_k_draft": 2,
+                           "total_tokens": 4, "draft": "sample", "siblings": "wor", "branching": [2, 1, 1],
+                           "accept_hist": {"1": 5, "3": 2}, "tau": 1.6}]}
+    cfg = gpt_config("GPT-micro", vocab_size=32, block_size=16, num_classes=4)
+    archs = drafter_archs(["eagle3", "cheap:ffn_dim=0,head_rank=8"])
+    assert archs == {"eagle3": {}, "cheap": {"ffn_dim": 0, "head_rank": 8}}
+    r = replay_bench(ReplayConfig(methods=["exact-sampled"], image_tokens=12, images=1, repeats=1, modes=["eager"],
+                                  drafters=archs), report, cfg, progress=False)
+    rows = {m["method"]: m for m in r["methods"]}
+    assert set(rows) == {"vanilla", "exact-sampled", "exact-sampled @ cheap"}
+    assert rows["exact-sampled @ cheap"]["drafter"] == "cheap" and rows["exact-sampled"]["drafter"] == "eagle3"
+    ds = r["shape"]["drafters"]
+    assert ds["cheap"]["step_weights"] < ds["eagle3"]["step_weights"] / 2
+    assert {k.split(":")[0] for k in r["bare_drafter_ms"]} == {"eagle3", "cheap"}
+    assert "exact-sampled @ cheap" in replay_markdown(r) and "read per step" in replay_markdown(r)
+    with pytest.raises(ValueError, match="head_rank"):
+        ReplayConfig(drafters={"bad": {"head_rank": -3}})
+    with pytest.raises(SystemExit, match="KEY=INTEGER"):
+        drafter_archs(["x:head_rank"])
+
+
 def test_replay_verifier_follows_the_histogram():
     from lisa.bench.replay import replay_verifier
     from lisa.decoding.generate import SpecConfig, speculative_generate

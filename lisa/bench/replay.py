@@ -44,6 +44,9 @@ class ReplayConfig:
     dtype: str = "fp32"
     threads: int = 0  # torch threads (0: torch's default)
     seed: int = 0
+    # drafter architectures (name -> lisa.models.drafter.DrafterConfig overrides, e.g. {"ffn_dim": 0, "head_rank":
+    # 256}): every method runs with each, all replaying the method's acceptance from the report
+    drafters: dict = field(default_factory=lambda: {"eagle3": {}})
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -53,6 +56,10 @@ class ReplayConfig:
             raise ValueError(f"replay: modes must be eager and / or compiled, got {self.modes}")
         if min(self.image_tokens, self.images, self.repeats) < 1:
             raise ValueError("replay: image_tokens, images and repeats must be >= 1")
+        if not self.drafters:
+            raise ValueError("replay: drafters must name at least one drafter architecture")
+        for name, arch in self.drafters.items():
+            DrafterConfig.from_dict(DrafterConfig().to_dict() | dict(arch))  # an unknown field or a bad value names it
 
 
 def spec_of(m: dict) -> SpecConfig:
@@ -107,7 +114,9 @@ def replay_bench(rc: ReplayConfig, report: dict, target_config, device: Optional
     torch.manual_seed(rc.seed)
     dtype = DTYPES[rc.dtype]
     target = Transformer(target_config).eval().to(dev, dtype)
-    drafter = Eagle3Drafter(DrafterConfig.for_target(target_config)).eval().to(dev, dtype)
+    drafters = {d: Eagle3Drafter(DrafterConfig.for_target(target_config, **arch)).eval().to(dev, dtype)
+                for d, arch in rc.drafters.items()}
+    default = next(iter(drafters))
     s = report.get("sampling", {})
     sampling = SamplingConfig(s.get("temperature", 1.0), s.get("top_k", 0), s.get("top_p", 1.0),
                               s.get("cfg_scale", 4.0))
@@ -118,16 +127,19 @@ def replay_bench(rc: ReplayConfig, report: dict, target_config, device: Optional
     def decode(name: str, mode: str, cond, gen):
         if name == "vanilla":
             return generate(target, cond, sampling, gen, num_tokens=T, compile=mode == "compiled")
-        return speculative_generate(target, drafter, cond, sampling, specs[name], gen, num_tokens=T,
+        method, d = split(name)
+        return speculative_generate(target, drafters[d], cond, sampling, specs[method], gen, num_tokens=T,
                                     compile=mode == "compiled",
-                                    verifier_fn=replay_verifier(entries[name]["accept_hist"], replay_gen))
+                                    verifier_fn=replay_verifier(entries[method]["accept_hist"], replay_gen))
 
-    names = ["vanilla", *rc.methods]
+    split = lambda name: tuple(name.split(" @ ")) if " @ " in name else (name, default)  # noqa: E731
+    labels = [m if d == default else f"{m} @ {d}" for d in drafters for m in rc.methods]
+    names = ["vanilla", *labels]
     runs = [(n, mode) for mode in rc.modes for n in names]
     # drafter calls per round and their width (one untimed eager decode per method, a counting hook)
     calls = {}
     counter = [0]
-    hook = drafter.register_forward_pre_hook(lambda *_: counter.__setitem__(0, counter[0] + 1))
+    hook = drafters[default].register_forward_pre_hook(lambda *_: counter.__setitem__(0, counter[0] + 1))
     try:
         for n in rc.methods:
             counter[0] = 0
@@ -141,7 +153,7 @@ def replay_bench(rc: ReplayConfig, report: dict, target_config, device: Optional
     wall = {r: [] for r in runs}
     stats = {r: [] for r in runs}
     bare_t = {n: [] for n in sizes}
-    bare_q = {w: [] for w in set(widths.values())}
+    bare_q = {(d, w): [] for d in drafters for w in set(widths.values())}
     first = {}
     bar = tqdm(total=(rc.repeats + 1) * len(conds) * len(runs), desc=f"replay {target_config.n_layer} layers",
                unit="run", disable=not progress)
@@ -167,8 +179,8 @@ def replay_bench(rc: ReplayConfig, report: dict, target_config, device: Optional
                     wall[x].append(per_pass[x])
                 for n in sizes:
                     bare_t[n].append(costmodel.time_target_forward(target, rows, n, context, reps=3))
-                for w in bare_q:
-                    bare_q[w].append(costmodel.time_drafter_forward(drafter, rows, w, context, reps=3))
+                for d, w in bare_q:
+                    bare_q[d, w].append(costmodel.time_drafter_forward(drafters[d], rows, w, context, reps=3))
     finally:
         bar.close()
     t = {n: statistics.median(v) for n, v in bare_t.items()}
@@ -185,21 +197,31 @@ def replay_bench(rc: ReplayConfig, report: dict, target_config, device: Optional
         if name == "vanilla":
             row |= {"tau": 1.0, "round_ms": ms / max(forwards, 1), "bare_round_ms": 1000 * t[1]}
         else:
-            tau = pooled_tau(sts)
-            bare_round = t[specs[name].nodes + 1] + calls[name] * q[widths[name]]
-            row |= {"tau": tau, "report_tau": entries[name]["tau"], "round_ms": ms / max(forwards, 1),
-                    "bare_round_ms": 1000 * bare_round, "drafter_calls_per_round": calls[name],
-                    "drafter_width": widths[name], "tree": specs[name].describe(), "tokens_per_forward":
-                    specs[name].nodes + 1, "ceiling": tau * t[1] / bare_round}
+            tau, (method, d) = pooled_tau(sts), split(name)
+            bare_round = t[specs[method].nodes + 1] + calls[method] * q[d, widths[method]]
+            row |= {"drafter": d, "tau": tau, "report_tau": entries[method]["tau"], "round_ms": ms / max(forwards, 1),
+                    "bare_round_ms": 1000 * bare_round, "drafter_calls_per_round": calls[method],
+                    "drafter_width": widths[method], "tree": specs[method].describe(), "tokens_per_forward":
+                    specs[method].nodes + 1, "ceiling": tau * t[1] / bare_round}
         row["round_over_bare"] = row["round_ms"] / row["bare_round_ms"]
         out.append(row)
     return {"config": asdict(rc), "shape": {"n_layer": target_config.n_layer, "dim": target_config.dim,
                                             "vocab_size": target_config.vocab_size, "params": target.num_params(),
-                                            "drafter_params": sum(p.numel() for p in drafter.parameters())},
+                                            "drafter_params": sum(p.numel() for p in drafters[default].parameters()),
+                                            "drafters": {d: {"arch": dict(rc.drafters[d]), "params": sum(
+                                                p.numel() for p in m.parameters()), "step_weights": step_weights(m)}
+                                                for d, m in drafters.items()}},
             "world": report.get("world"), "sampling": asdict(sampling), "machine": machine(),
             "threads": torch.get_num_threads(), "device": str(dev), "rows": rows, "image_tokens": T,
             "bare_target_ms": {int(n): 1000 * v for n, v in t.items()},
-            "bare_drafter_ms": {int(w): 1000 * v for w, v in q.items()}, "methods": out}
+            "bare_drafter_ms": {f"{d}:{w}": 1000 * v for (d, w), v in q.items()}, "methods": out}
+
+
+def step_weights(drafter: Eagle3Drafter) -> int:
+    """Weights a drafting step reads: every parameter but the token embedding (one row gathered per token) and the
+    fc over the fused taps (once per round, in the commit)."""
+    skip = {id(drafter.tok_embeddings.weight), id(drafter.fc.weight)}
+    return sum(p.numel() for p in drafter.parameters() if id(p) not in skip)
 
 
 def replay_markdown(r: dict) -> str:
@@ -222,6 +244,12 @@ def replay_markdown(r: dict) -> str:
                      f"{m['round_over_bare']:.2f} | " + (f"{m['ceiling']:.2f}x" if "ceiling" in m else "-") + " | "
                      + (f"{m['compile_s']:.0f}" if m["compile_s"] is not None else "-") + " |")
     t = ", ".join(f"t({n}) {v:.1f}" for n, v in r["bare_target_ms"].items())
-    q = ", ".join(f"q({w}) {v:.1f}" for w, v in r["bare_drafter_ms"].items())
+    q = ", ".join(f"q({k.split(':')[1]}) {k.split(':')[0]} {v:.1f}" for k, v in r["bare_drafter_ms"].items())
     lines += ["", f"Bare forwards (ms, medians over the passes): {t}; drafter steps {q}."]
+    ds = sh.get("drafters", {})
+    if len(ds) > 1:
+        lines += ["", "Drafters (`method @ name` rows; the first is the release architecture, the others replay the same "
+                  "acceptance: what they accept on a built-in world is in reports/ablate-arch): " + "; ".join(
+                      f"{d} {a['arch'] or 'EAGLE-3 (the target width, its SwiGLU, a full head)'}: {a['params'] / 1e6:.1f}M "
+                      f"parameters, {a['step_weights'] / 1e6:.1f}M read per step" for d, a in ds.items()) + "."]
     return "\n".join(lines) + "\n"

@@ -114,7 +114,7 @@ class ForwardTimer:
 
 
 STEP_PARTS = {"inputs": ("tok_embeddings", "embed_norm", "hidden_norm"), "attention": ("attention",),
-              "ffn": ("ffn_norm", "feed_forward"), "head": ("norm", "output")}
+              "ffn": ("ffn_norm", "feed_forward"), "head": ("norm", "head_in", "output")}
 
 
 @torch.inference_mode()

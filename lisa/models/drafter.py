@@ -4,8 +4,11 @@ EAGLE-3 (`Eagle3Drafter`): the target's hidden states from a low, a middle and a
 concatenated and fused 3H -> D (`fuse`); one decoder layer then reads [RMSNorm(token embedding),
 RMSNorm(hidden)] (H + D wide: its attention projects H + D -> heads, its residual stream is D wide and starts from
 the hidden state), and its own LM head predicts the next token. D is the target's H (EAGLE-3) unless `width`
-narrows it; `ffn_dim` sizes the layer's SwiGLU (0: none). Both make a drafting step cheaper against the target's
-one-token step (`lisa ablate-arch` measures the ratio). Alignment: at sequence position s the drafter gets
+narrows it; `ffn_dim` sizes the layer's SwiGLU (0: none); `head_rank` r factors the LM head D -> r -> V (`head_in`
+then `output`: D r + r V weights instead of D V; at LlamaGen-B's D = 768, V = 16384, r = 256 reads 4.4M weights
+a step instead of 12.6M, where the full head is half of what a drafting step reads). All three make a drafting
+step cheaper against the target's one-token step (`lisa ablate-arch` measures the ratio and what it costs in
+acceptance). Alignment: at sequence position s the drafter gets
 the target's hidden state at s (which predicted token s + 1) and the embedding of token s + 1, and predicts token
 s + 2. Each step's output hidden state (before the final norm) is what the next drafting step reads in place of
 the target's fused features (training-time test unrolls exactly this). Its KV cache, RoPE table and mask
@@ -48,6 +51,7 @@ class DrafterConfig:
     rope_length: int = 0  # 1d: positions covered
     width: int = 0  # eagle3: the drafter's own residual width D (0 = the target's H); fc 3H -> D, head D -> V
     ffn_dim: Optional[int] = None  # eagle3: the SwiGLU's hidden size (None: the target's rule from D; 0: no SwiGLU)
+    head_rank: int = 0  # eagle3: the LM head factored D -> head_rank -> V (0: one D -> V layer)
 
     def __post_init__(self):
         if self.kind not in ("eagle3", "medusa"):
@@ -56,6 +60,9 @@ class DrafterConfig:
             raise ValueError(f"DrafterConfig.ffn_dim must be >= 0 (0 = no SwiGLU), got {self.ffn_dim}")
         if self.width < 0:
             raise ValueError(f"DrafterConfig.width must be >= 0 (0 = the target's dim), got {self.width}")
+        if not 0 <= self.head_rank < min(self.model_dim, self.vocab_size):
+            raise ValueError(f"DrafterConfig.head_rank must be 0 (a full head) or 1..{min(self.model_dim, self.vocab_size) - 1}"
+                             f" (below the width {self.model_dim} and the vocabulary {self.vocab_size}), got {self.head_rank}")
         if self.model_dim % self.n_head:
             raise ValueError(f"DrafterConfig: width {self.model_dim} not divisible by n_head {self.n_head}")
         if self.rope not in ("2d", "1d"):
@@ -173,7 +180,9 @@ class Eagle3Drafter(nn.Module):
             self.ffn_norm = RMSNorm(D, cfg.norm_eps)
             self.feed_forward = SwiGLU(D, cfg.ffn_hidden)
         self.norm = RMSNorm(D, cfg.norm_eps)
-        self.output = nn.Linear(D, cfg.vocab_size, bias=False)  # from the target's head when D = H
+        if cfg.head_rank:  # the head factored: D -> r -> V (from the target's head's top-r SVD when D = H)
+            self.head_in = nn.Linear(D, cfg.head_rank, bias=False)
+        self.output = nn.Linear(cfg.head_rank or D, cfg.vocab_size, bias=False)  # from the target's head when D = H
         if cfg.rope == "1d":
             rope = rope_1d_table(cfg.rope_length, cfg.head_dim, cfg.rope_base)
         else:
@@ -232,7 +241,8 @@ class Eagle3Drafter(nn.Module):
         h = hidden + self.attention(x, rope, input_pos, attn_mask, past)
         if self.config.ffn_hidden:
             h = h + self.feed_forward(self.ffn_norm(h))
-        return DraftOutput(self.output(self.norm(h)).float(), h)
+        x = self.norm(h)
+        return DraftOutput(self.output(self.head_in(x) if self.config.head_rank else x).float(), h)
 
 
 class MedusaHead(nn.Module):

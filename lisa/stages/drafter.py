@@ -175,7 +175,8 @@ def ablate_arch(world: WorldParams, train_p: TrainDrafterParams, p: AblateArchPa
     lc = cache.open_cache(paths.cache_dir, target_meta["sha256"])
     d = load_codes(paths.codes_file, target.config.model_type)
     fields = dataclasses.asdict(arch)
-    tp = dataclasses.replace(train_p, steps=fields.pop("steps") or p.steps, **fields)
+    tp = dataclasses.replace(train_p, steps=fields.pop("steps") or p.steps, ttt=fields.pop("ttt") or train_p.ttt,
+                             **fields)
     torch.manual_seed(tp.seed)
     model = new_drafter(target, **tp.overrides())
     m = train(model, target, d["train_tokens"], d["train_cond"], d["test_tokens"][:512], d["test_cond"][:512], tp,

@@ -41,11 +41,19 @@ from lisa.training.loops import load_resume, lr_at, read_resume, save_resume
 
 def init_from_target(drafter: Eagle3Drafter, target: Transformer) -> Eagle3Drafter:
     """EAGLE's start: the target's token embedding (frozen) and its LM head (trained further; a drafter narrower
-    than the target starts its head from scratch)."""
+    than the target starts its head from scratch). A factored head (head_rank r) starts from the target head's
+    best rank-r approximation (truncated SVD W ~ U_r S_r V_r^T, split as output = U_r S_r^1/2, head_in = S_r^1/2 V_r^T)."""
     with torch.no_grad():
         drafter.tok_embeddings.weight.copy_(target.token_embedding_table())
-        if drafter.output.weight.shape == target.output.weight.shape:
-            drafter.output.weight.copy_(target.output.weight)
+        W = target.output.weight  # (V, H)
+        r = drafter.config.head_rank
+        if r and drafter.head_in.weight.shape[1] == W.shape[1]:
+            U, S, Vh = torch.linalg.svd(W.float(), full_matrices=False)
+            root = S[:r].sqrt()
+            drafter.output.weight.copy_(U[:, :r] * root)
+            drafter.head_in.weight.copy_(root[:, None] * Vh[:r])
+        elif not r and drafter.output.weight.shape == W.shape:
+            drafter.output.weight.copy_(W)
     drafter.tok_embeddings.weight.requires_grad_(False)
     return drafter
 
