@@ -135,6 +135,32 @@ def test_gasv_knobs():
         run(kapa=1.0)
 
 
+@pytest.mark.parametrize("sampled", [None, "wor"])
+def test_gasv_never_emits_outside_the_targets_support(sampled):
+    """After top-k the target gives some codes probability 0; GASV at its loosest (g = 1 everywhere) still never
+    accepts or emits one, on top-k trees (a draft of p = 0 takes no neighbour mass) and sampled trees (transport
+    stays inside p's support), while it does move mass on the top-k tree (TV > 0)."""
+    B = 100_000
+    tree, p, p0, _ = tree_batch(B, sampled)
+    top = p.topk(3, dim=-1).indices
+    p = torch.zeros_like(p).scatter(-1, top, p.gather(-1, top))  # top-3 of 6 at every node
+    p = p / p.sum(-1, keepdim=True)
+    dead = p[:, 0] == 0
+    assert dead.gather(1, tree.tokens[:, :3]).any()  # some root drafts lie outside the support
+    v = get_verifier("gasv")(ctx_for(p, tree, tiny_calibration(), options={"kappa": 1e6, "lambda": 1e-9, "k": 5},
+                                     measure=True), torch.Generator().manual_seed(3))
+    first = emitted(tree, v, 1)[:, 0]
+    assert not dead.gather(1, first[:, None]).any()
+    nodes = torch.cat([torch.zeros(B, 1, dtype=torch.long), v.path.clamp(min=0) + 1], 1)  # the nodes walked
+    for i in range(v.path.shape[1]):
+        ok = v.n_accepted > i
+        tok = tree.tokens.gather(1, v.path[:, i : i + 1].clamp(min=0)).squeeze(1)
+        at = p[torch.arange(B), nodes[:, i]].gather(1, tok[:, None]).squeeze(1)
+        assert (at[ok] > 0).all()
+    if sampled is None:  # (on this sampled tree no code of the support has a deficit to q: nothing to move)
+        assert float(v.tv[:, 0].nan_to_num(0).max()) > 0.01
+
+
 def test_gasv_in_speculative_decoding_with_cfg_and_batch():
     from lisa.training.drafter import new_drafter
     from lisa.decoding.generate import SpecConfig, speculative_generate

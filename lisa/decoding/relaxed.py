@@ -194,7 +194,9 @@ def gsd(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
 #   calibration's neighbour table) moved onto v, i.e. p_soft(v) = r(v) + g(v) * sum_{u in N_k(v)} r(u) and
 #   p_soft(u) = (1 - g(v)) r(u) on the neighbours. Acceptance uses p_soft(v) (deterministic siblings; sampled:
 #   min(1, p_soft(v) / q(v))); on rejection the residual is p_soft without v, renormalised, so the correction
-#   and bonus tokens are drawn from it. Mass only ever moves between codebook neighbours, by the share g: the
+#   and bonus tokens are drawn from it. A draft outside the target's support (p(v) = 0 after top-k / top-p) gets
+#   g = 0 (the paper's form would move its neighbours' mass onto it and emit a token the target never samples).
+#   Mass only ever moves between codebook neighbours, by the share g: the
 #   sampled law is p with that transport applied, its TV to p is at most g(v) * r(N_k(v)) per tried child, and
 #   kappa up -> larger g -> longer acceptance, lambda up -> smaller g -> stricter; g = 0 is `exact`.
 #   Sampled drafts (siblings drawn from the drafter's q): a per-draft soft mass has no tractable law over several
@@ -261,6 +263,8 @@ def gasv(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
 
     def soft(r, tok, row):  # p_soft for draft tok: (its soft mass (B,), the soft residual with tok removed (B, V))
         g = g_all[ar, row].gather(1, tok[:, None])  # (B, 1)
+        # a draft outside the target's support (p = 0 after top-k / top-p) takes no mass: never accepted
+        g = torch.where(ctx.p[ar, row].gather(1, tok[:, None]) > 0, g, torch.zeros_like(g))
         nn = table[tok]  # (B, k)
         moved = r.gather(1, nn) * g  # (B, k)
         rest = r.scatter(1, nn, r.gather(1, nn) - moved).scatter(1, tok[:, None], 0.0)
