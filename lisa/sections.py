@@ -447,6 +447,9 @@ class TableParams(SamplingParams):
     rows: list[str] = Field(default_factory=lambda: ["vanilla"])  # table rows: names in cells and bench_spec.methods
     pareto: list[str] = Field(default_factory=list)  # cells on the tau-FID plot (a kappa / lambda sweep)
     cells: dict[str, TableCell] = Field(default_factory=lambda: {"vanilla": TableCell()})
+    # the headline's LISA rows: a name -> the scoreboard family it is (the first lossless one is LISA-lossless);
+    # every other family of the scoreboard is a peer row under its own name
+    headline: dict[str, str] = Field(default_factory=lambda: {"LISA-lossless": "exact-sampled", "LISA": "gasv-sampled"})
 
 
 @dataclass(config=STRICT)
