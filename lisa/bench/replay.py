@@ -248,8 +248,9 @@ def replay_markdown(r: dict) -> str:
     lines += ["", f"Bare forwards (ms, medians over the passes): {t}; drafter steps {q}."]
     ds = sh.get("drafters", {})
     if len(ds) > 1:
-        lines += ["", "Drafters (`method @ name` rows; the first is the release architecture, the others replay the same "
-                  "acceptance: what they accept on a built-in world is in reports/ablate-arch): " + "; ".join(
-                      f"{d} {a['arch'] or 'EAGLE-3 (the target width, its SwiGLU, a full head)'}: {a['params'] / 1e6:.1f}M "
-                      f"parameters, {a['step_weights'] / 1e6:.1f}M read per step" for d, a in ds.items()) + "."]
+        about = lambda a: a["arch"] or "EAGLE-3 (the target width, its SwiGLU, a full head)"  # noqa: E731
+        lines += ["", "Drafters (`method @ name` rows; the first is the release architecture, the others replay the "
+                  "same acceptance: what they accept on a built-in world is in reports/ablate-arch): " + "; ".join(
+                      f"{d} {about(a)}: {a['params'] / 1e6:.1f}M parameters, {a['step_weights'] / 1e6:.1f}M read "
+                      "per step" for d, a in ds.items()) + "."]
     return "\n".join(lines) + "\n"

@@ -60,9 +60,10 @@ class DrafterConfig:
             raise ValueError(f"DrafterConfig.ffn_dim must be >= 0 (0 = no SwiGLU), got {self.ffn_dim}")
         if self.width < 0:
             raise ValueError(f"DrafterConfig.width must be >= 0 (0 = the target's dim), got {self.width}")
-        if not 0 <= self.head_rank < min(self.model_dim, self.vocab_size):
-            raise ValueError(f"DrafterConfig.head_rank must be 0 (a full head) or 1..{min(self.model_dim, self.vocab_size) - 1}"
-                             f" (below the width {self.model_dim} and the vocabulary {self.vocab_size}), got {self.head_rank}")
+        top = min(self.model_dim, self.vocab_size) - 1
+        if not 0 <= self.head_rank <= top:
+            raise ValueError(f"DrafterConfig.head_rank must be 0 (a full head) or 1..{top} (below the width "
+                             f"{self.model_dim} and the vocabulary {self.vocab_size}), got {self.head_rank}")
         if self.model_dim % self.n_head:
             raise ValueError(f"DrafterConfig: width {self.model_dim} not divisible by n_head {self.n_head}")
         if self.rope not in ("2d", "1d"):

@@ -42,7 +42,7 @@ from lisa.training.loops import load_resume, lr_at, read_resume, save_resume
 def init_from_target(drafter: Eagle3Drafter, target: Transformer) -> Eagle3Drafter:
     """EAGLE's start: the target's token embedding (frozen) and its LM head (trained further; a drafter narrower
     than the target starts its head from scratch). A factored head (head_rank r) starts from the target head's
-    best rank-r approximation (truncated SVD W ~ U_r S_r V_r^T, split as output = U_r S_r^1/2, head_in = S_r^1/2 V_r^T)."""
+    best rank-r approximation (truncated SVD W ~ U_r S_r V_r^T: output = U_r S_r^1/2, head_in = S_r^1/2 V_r^T)."""
     with torch.no_grad():
         drafter.tok_embeddings.weight.copy_(target.token_embedding_table())
         W = target.output.weight  # (V, H)
