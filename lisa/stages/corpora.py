@@ -13,6 +13,7 @@ import torch
 
 from lisa.checkpoint import read_state_dict, write_json
 from lisa.config import CorporaParams, SelfGeneratedParams, WorldParams
+from lisa.data.identity import check_identity, write_identity
 from lisa.decoding.sampling import sampling_config
 from lisa.models.llamagen import load_target, load_tokenizer
 from lisa.stages.common import caption_cond, caption_encoder
@@ -30,6 +31,8 @@ def laion_fixture(p: CorporaParams, shared: SharedPaths) -> dict:
     info = make_laion_fixture(tmp, p.fixture_rows, p.fixture_seed, p.fixture_format)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
+    if shared.fixture_identity is not None:  # build-laion-coco's dvc.yaml dep, committed (the folder is not)
+        write_identity(shared.fixture_identity, metadata=out / "metadata", images=out / "images")
     return info
 
 
@@ -81,9 +84,12 @@ def build_self_generated(world: WorldParams, p: SelfGeneratedParams, paths: Worl
 
 
 def _laion_coco(c: Call, metadata: Optional[str] = None, images: Optional[str] = None) -> dict:
-    """build-laion-coco of the params' source (or `metadata` / `images`), paths relative to the root."""
+    """build-laion-coco of the params' source, which must match its identity file `corpora.laion_identity` (the
+    stage's dvc.yaml dep), or of `metadata` / `images` (not checked); paths relative to the root."""
     p = c.params.corpora
     rooted = lambda path: Path(path) if Path(path).is_absolute() else c.shared.root / path  # noqa: E731
+    if metadata is None and images is None:
+        check_identity(rooted(p.laion_identity), metadata=rooted(p.laion_metadata), images=rooted(p.laion_images))
     p = dataclasses.replace(p, laion_metadata=str(rooted(metadata or p.laion_metadata)),
                             laion_images=str(rooted(images or p.laion_images)))
     return build_laion_coco(c.params.world(p.laion_world), p, WorldPaths.of(p.laion_world, c.shared.root), c.shared)
