@@ -36,11 +36,15 @@ def laion_fixture(p: CorporaParams, shared: SharedPaths) -> dict:
     return info
 
 
-def build_laion_coco(world: WorldParams, p: CorporaParams, paths: WorldPaths, shared: SharedPaths) -> dict:
+def build_laion_coco(world: WorldParams, p: CorporaParams, paths: WorldPaths, shared: SharedPaths,
+                     identity: Optional[Path]) -> dict:
     """The laion-coco corpus (lisa.data.corpus.build_laion_coco) of `p.laion_metadata` / `p.laion_images`, with the
-    tokenizer and caption encoder of the world `p.laion_world` (`world`, `paths`)."""
+    tokenizer and caption encoder of the world `p.laion_world` (`world`, `paths`). A source whose files differ from
+    `identity` (lisa/data/identity.py) is refused; None: not checked."""
     from lisa.data.corpus import LaionFilter, build_laion_coco as build
 
+    if identity is not None:
+        check_identity(identity, metadata=p.laion_metadata, images=p.laion_images)
     vq, vq_meta = load_tokenizer(paths.tokenizer_file)
     cfg = world.gpt_config()
     if cfg.model_type == "lm":
@@ -88,11 +92,11 @@ def _laion_coco(c: Call, metadata: Optional[str] = None, images: Optional[str] =
     stage's dvc.yaml dep), or of `metadata` / `images` (not checked); paths relative to the root."""
     p = c.params.corpora
     rooted = lambda path: Path(path) if Path(path).is_absolute() else c.shared.root / path  # noqa: E731
-    if metadata is None and images is None:
-        check_identity(rooted(p.laion_identity), metadata=rooted(p.laion_metadata), images=rooted(p.laion_images))
+    identity = rooted(p.laion_identity) if metadata is None and images is None else None
     p = dataclasses.replace(p, laion_metadata=str(rooted(metadata or p.laion_metadata)),
                             laion_images=str(rooted(images or p.laion_images)))
-    return build_laion_coco(c.params.world(p.laion_world), p, WorldPaths.of(p.laion_world, c.shared.root), c.shared)
+    return build_laion_coco(c.params.world(p.laion_world), p, WorldPaths.of(p.laion_world, c.shared.root), c.shared,
+                            identity)
 
 
 STAGES = {
