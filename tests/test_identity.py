@@ -52,7 +52,8 @@ def test_identity_files_follow_the_default_folders_only():
                                                                 "r/data/identity/cache/w.json")
     assert WorldPaths.of("w", dataset_dir="x").dataset_identity is None
     assert str(WorldPaths.of("w", dataset_dir="x", dataset_identity="x.json").dataset_identity) == "x.json"
-    assert WorldPaths.of("w", cache_dir="c").cache_identity is None and WorldPaths.of("w", cache_dir="c").dataset_identity
+    moved = WorldPaths.of("w", cache_dir="c")
+    assert moved.cache_identity is None and moved.dataset_identity is not None
     assert SharedPaths.of(fixture_dir="f").fixture_identity is None
 
 

@@ -29,7 +29,7 @@ class WorldPaths:
     """The files and folders of one world's stages."""
     world: str  # its name
     dataset_dir: Path
-    dataset_identity: Optional[Path]  # the dataset's files and sha256 (lisa/data/identity.py), committed; None: unchecked
+    dataset_identity: Optional[Path]  # its files' sha256 (lisa/data/identity.py), committed; None: unchecked
     codes_dir: Path
     tokenizer_dir: Path
     tokenizer_work: Path
