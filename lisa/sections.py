@@ -276,6 +276,9 @@ class CorporaParams:
     laion_world: str = "emoji-t2i"  # the world whose tokenizer and caption encoder encode the laion-coco corpus
     laion_metadata: str = "data/corpora/laion-coco-fixture/metadata"  # folder of LAION-COCO metadata .parquet
     laion_images: str = "data/corpora/laion-coco-fixture/images"  # img2dataset output (parquet / tar / folder)
+    # the source's files and sha256 (lisa/data/identity.py), build-laion-coco's dep in dvc.yaml: laion-fixture writes
+    # the fixture's; for a real download, write_identity(file, metadata=..., images=...) and commit it
+    laion_identity: str = "data/identity/corpora/laion-coco-fixture.json"
     min_size: int = 32  # WIDTH and HEIGHT >= min_size
     max_punsafe: float = 0.5
     max_pwatermark: float = 0.8

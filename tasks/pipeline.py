@@ -62,8 +62,10 @@ REPORT_SUFFIXES = (".md", ".png")
 
 def _is_metrics(out) -> bool:
     """A stage's metrics as the flow reads them: its DVC metrics (dvc.yaml's `metrics`: the small headline files
-    `dvc metrics show` lists) and its other JSON outs kept in git (`cache: false`: the stages' detailed reports)."""
-    return bool(out.metric) or (str(out.def_path).endswith(".json") and not out.use_cache)
+    `dvc metrics show` lists) and its other JSON outs kept in git (`cache: false`: the stages' detailed reports),
+    not the identity files under data/identity/ (a folder's sha256, lisa/data/identity.py)."""
+    return bool(out.metric) or (str(out.def_path).endswith(".json") and not out.use_cache
+                                and not str(out.def_path).startswith("data/identity/"))
 
 
 def artifact_key(*parts: str) -> str:

@@ -77,7 +77,7 @@ def test_lisa_full_and_recalibrate_micro(tmp_path, monkeypatch, micro_built):
         cached = lisa_full(root=str(repo), stages=["cache-logits@fashion-c2i"])["cache-logits@fashion-c2i"]
         monkeypatch.delenv("LISA_NPROC_PER_NODE")
         assert cached["outcome"] == "ran" and cached["metrics"]["reports/cache/fashion-c2i.json"]["workers"] == 2
-        assert dvc_status(repo) == {}  # recorded; its consumers see the same identity.json
+        assert dvc_status(repo) == {}  # recorded; its consumers see the same identity (data/identity/cache)
 
         params = yaml.safe_load((repo / "params.yaml").read_text())  # dvc repro first, then the flow: nothing
         params["table"]["seed"] += 1

@@ -48,12 +48,14 @@ def stale(status: dict, files: set[str]) -> dict[str, list[str]]:
 
 def release_stages(repo: Path) -> dict[str, list[str]]:
     """Stages with an output committed to git under data/ (tokenizers, targets, judges, drafters, calibrations,
-    reference features, codes): their outputs are what a fresh clone must reuse."""
+    reference features, codes): their outputs are what a fresh clone must reuse. Not the identity files
+    (data/identity/) of what a fresh clone rebuilds."""
     lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
     files = tracked(repo)
     out = {}
     for stage, entry in lock.items():
-        outs = [o["path"] for o in entry.get("outs", []) if o["path"].startswith("data/")]
+        outs = [o["path"] for o in entry.get("outs", []) if o["path"].startswith("data/")
+                and not o["path"].startswith("data/identity/")]
         committed = [o for o in outs if o in files or any(f.startswith(o + "/") for f in files)]
         if committed:
             out[stage] = committed

@@ -15,6 +15,7 @@ from lisa.checkpoint import CheckpointError, atomic_write, file_sha256, save_art
 from lisa.config import (BuildDatasetParams, ConfigError, EncodeParams, InitTargetParams, InitTokenizerParams,
                          TrainTargetParams, TrainTokenizerParams, WorldParams)
 from lisa.data import datasets as data
+from lisa.data.identity import write_identity
 from lisa.models.gpt import Transformer, grammar_grid, square_image_grammar
 from lisa.models.llamagen import import_llamagen_gpt, import_llamagen_vq, load_target, load_tokenizer
 from lisa.models.vq import VQModel
@@ -123,6 +124,8 @@ def build_dataset(world: WorldParams, p: BuildDatasetParams, paths: WorldPaths) 
     ds.save_to_disk(str(tmp))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)  # a crash never leaves a half-written dataset behind
+    if paths.dataset_identity is not None:  # the readers' dvc.yaml dep, committed (the folder is not)
+        write_identity(paths.dataset_identity, dataset=out)
     return {split: len(ds[split]) for split in ds} | {"classes": ds["train"].features["label"].names}
 
 
@@ -130,7 +133,7 @@ def train_tokenizer(world: WorldParams, p: TrainTokenizerParams, paths: WorldPat
     """Train the world's VQ tokenizer on its dataset; resumable (tokenizer_work/resume.pt). Held-out PSNR and usage.
     A world with a `tokenizer_checkpoint` (the real profile) imports it instead (init_tokenizer), and reports the
     imported tokenizer's held-out reconstruction."""
-    train_u8, test_u8, _ = load_images(paths.dataset_dir)
+    train_u8, test_u8, _ = load_images(paths.dataset_dir, paths.dataset_identity)
     if world.tokenizer_checkpoint:
         info = init_tokenizer(world, InitTokenizerParams(seed=p.seed), paths)
         vq, _ = load_tokenizer(paths.tokenizer_file)
@@ -173,7 +176,7 @@ def _caption_features(world: WorldParams, cfg, captions: list[str]) -> torch.Ten
 def encode(world: WorldParams, p: EncodeParams, paths: WorldPaths) -> dict:
     """VQ codes of every image, with its class, and (t2i) per-token caption features of every distinct caption."""
     vq, vq_meta = load_tokenizer(paths.tokenizer_file)
-    _, _, ds = load_images(paths.dataset_dir)
+    _, _, ds = load_images(paths.dataset_dir, paths.dataset_identity)
     cfg = world.gpt_config()
     tensors, captions = {}, sorted(set(ds["train"]["caption"]) | set(ds["test"]["caption"]))
     index = {c: i for i, c in enumerate(captions)}

@@ -12,6 +12,7 @@ import torch
 from lisa.checkpoint import read_state_dict
 from lisa.config import WorldParams
 from lisa.data import datasets as data
+from lisa.data.identity import check_identity
 from lisa.data.text import CaptionEncoder
 from lisa.decoding.methods import geometry_reads, method_geometry
 from lisa.models.gpt import grammar_grid, square_image_grammar
@@ -111,12 +112,15 @@ def image_tokenizer(vq, cfg):
     return GrammarVQ(vq, cfg) if cfg.model_type == "lm" else vq
 
 
-def load_images(dataset_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor, object]:
-    """A built dataset -> (train images, test images) as uint8 tensors, and the DatasetDict."""
+def load_images(dataset_dir: str | Path, identity_file: Optional[Path]) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """A built dataset -> (train images, test images) as uint8 tensors, and the DatasetDict. A dataset whose files
+    differ from identity_file (build-dataset writes it; the stages' dvc.yaml dep) is refused; None: not checked."""
     from datasets import load_from_disk
 
     if not (Path(dataset_dir) / "dataset_dict.json").is_file():
         raise FileNotFoundError(f"{dataset_dir}: no dataset_dict.json (run `lisa build-dataset` first)")
+    if identity_file is not None:
+        check_identity(identity_file, dataset=dataset_dir)
     ds = load_from_disk(str(dataset_dir))
     return data.images_tensor(ds["train"]), data.images_tensor(ds["test"]), ds
 

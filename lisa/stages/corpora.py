@@ -13,6 +13,7 @@ import torch
 
 from lisa.checkpoint import read_state_dict, write_json
 from lisa.config import CorporaParams, SelfGeneratedParams, WorldParams
+from lisa.data.identity import check_identity, write_identity
 from lisa.decoding.sampling import sampling_config
 from lisa.models.llamagen import load_target, load_tokenizer
 from lisa.stages.common import caption_cond, caption_encoder
@@ -30,14 +31,20 @@ def laion_fixture(p: CorporaParams, shared: SharedPaths) -> dict:
     info = make_laion_fixture(tmp, p.fixture_rows, p.fixture_seed, p.fixture_format)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
+    if shared.fixture_identity is not None:  # build-laion-coco's dvc.yaml dep, committed (the folder is not)
+        write_identity(shared.fixture_identity, metadata=out / "metadata", images=out / "images")
     return info
 
 
-def build_laion_coco(world: WorldParams, p: CorporaParams, paths: WorldPaths, shared: SharedPaths) -> dict:
+def build_laion_coco(world: WorldParams, p: CorporaParams, paths: WorldPaths, shared: SharedPaths,
+                     identity: Optional[Path]) -> dict:
     """The laion-coco corpus (lisa.data.corpus.build_laion_coco) of `p.laion_metadata` / `p.laion_images`, with the
-    tokenizer and caption encoder of the world `p.laion_world` (`world`, `paths`)."""
+    tokenizer and caption encoder of the world `p.laion_world` (`world`, `paths`). A source whose files differ from
+    `identity` (lisa/data/identity.py) is refused; None: not checked."""
     from lisa.data.corpus import LaionFilter, build_laion_coco as build
 
+    if identity is not None:
+        check_identity(identity, metadata=p.laion_metadata, images=p.laion_images)
     vq, vq_meta = load_tokenizer(paths.tokenizer_file)
     cfg = world.gpt_config()
     if cfg.model_type == "lm":
@@ -81,12 +88,15 @@ def build_self_generated(world: WorldParams, p: SelfGeneratedParams, paths: Worl
 
 
 def _laion_coco(c: Call, metadata: Optional[str] = None, images: Optional[str] = None) -> dict:
-    """build-laion-coco of the params' source (or `metadata` / `images`), paths relative to the root."""
+    """build-laion-coco of the params' source, which must match its identity file `corpora.laion_identity` (the
+    stage's dvc.yaml dep), or of `metadata` / `images` (not checked); paths relative to the root."""
     p = c.params.corpora
     rooted = lambda path: Path(path) if Path(path).is_absolute() else c.shared.root / path  # noqa: E731
+    identity = rooted(p.laion_identity) if metadata is None and images is None else None
     p = dataclasses.replace(p, laion_metadata=str(rooted(metadata or p.laion_metadata)),
                             laion_images=str(rooted(images or p.laion_images)))
-    return build_laion_coco(c.params.world(p.laion_world), p, WorldPaths.of(p.laion_world, c.shared.root), c.shared)
+    return build_laion_coco(c.params.world(p.laion_world), p, WorldPaths.of(p.laion_world, c.shared.root), c.shared,
+                            identity)
 
 
 STAGES = {

@@ -90,6 +90,8 @@ def cache_logits(p: CacheLogitsParams, paths: WorldPaths, corpus: Optional[str |
     if rank != 0:
         return {"rank": rank}
     manifest = cache.write_manifest(paths.cache_dir, target_meta["sha256"], spec, n, tokens.shape[1], extra=source)
+    if paths.cache_identity is not None:  # the consumers' dvc.yaml dep, committed (the cache is not)
+        write_json(paths.cache_identity, identity)
     metrics = {"sequences": n, "tokens": manifest["tokens"], "bytes": manifest["bytes"],
                "bytes_per_token": manifest["bytes_per_token"], "K": p.K, "workers": world_size,
                "write_s": elapsed, "write_tokens_per_s": manifest["tokens"] / elapsed,
@@ -120,7 +122,7 @@ def ablate_lid(world: WorldParams, train_p: TrainDrafterParams, p: AblateLIDPara
 
     target, target_meta = load_target(paths.target_file)
     vq, _ = load_tokenizer(paths.tokenizer_file)
-    lc = cache.open_cache(paths.cache_dir, target_meta["sha256"])
+    lc = cache.open_cache(paths.cache_dir, target_meta["sha256"], paths.cache_identity)
     d = load_codes(paths.codes_file, target.config.model_type)
     tp = dataclasses.replace(train_p, steps=p.steps)
     lid = (target_codebook(vq, target.config), LIDConfig(**dataclasses.asdict(p.lid)))
@@ -172,7 +174,7 @@ def ablate_arch(world: WorldParams, train_p: TrainDrafterParams, p: AblateArchPa
         raise ValueError(f"ablate-arch: no drafter {drafter!r} in ablate_arch.drafters {sorted(p.drafters)}")
     arch = p.drafters[drafter]
     target, target_meta = load_target(paths.target_file)
-    lc = cache.open_cache(paths.cache_dir, target_meta["sha256"])
+    lc = cache.open_cache(paths.cache_dir, target_meta["sha256"], paths.cache_identity)
     d = load_codes(paths.codes_file, target.config.model_type)
     fields = dataclasses.asdict(arch)
     tp = dataclasses.replace(train_p, steps=fields.pop("steps") or p.steps, ttt=fields.pop("ttt") or train_p.ttt,
@@ -218,7 +220,7 @@ def calibrate(p: CalibrateParams, paths: WorldPaths) -> dict:
 
     model, target_meta = load_target(paths.target_file)
     vq, vq_meta = load_tokenizer(paths.tokenizer_file)
-    lc = cache.open_cache(paths.cache_dir, target_meta["sha256"])
+    lc = cache.open_cache(paths.cache_dir, target_meta["sha256"], paths.cache_identity)
     cal = fit(model.output.weight, target_codebook(vq, model.config), lc, CalibrateConfig(**dataclasses.asdict(p)),
               {"target": str(paths.target_file), "target_sha256": target_meta["sha256"],
                "tokenizer": str(paths.tokenizer_file), "tokenizer_sha256": vq_meta["sha256"],

@@ -9,13 +9,17 @@ from typing import Any, Callable, Optional
 from lisa.config import Params, WorldParams
 
 
-def _build(cls, folders: dict[str, Path], files: dict[str, tuple[str, str]], overrides: dict[str, Any]):
+def _build(cls, folders: dict[str, Path], files: dict[str, tuple[str, str]], overrides: dict[str, Any],
+           identities: Optional[dict[str, str]] = None):
     """cls(**folders, **files) with `overrides` replacing fields; a replaced folder moves the files in it
-    (`files`: field -> (its folder's field, file name)) unless the file is replaced too."""
+    (`files`: field -> (its folder's field, file name)) unless the file is replaced too, and drops its identity file
+    (`identities`: field -> its folder's field; lisa/data/identity.py) unless that is replaced too: a folder named by
+    hand is not the one the pipeline's identity file describes."""
     unknown = set(overrides) - {f.name for f in fields(cls)}
     if unknown:
         raise TypeError(f"{cls.__name__}: no fields {sorted(unknown)}")
-    folders = folders | {k: Path(v) for k, v in overrides.items() if k not in files}
+    folders = folders | {k: None for k, d in (identities or {}).items() if d in overrides}
+    folders = folders | {k: Path(v) if v is not None else None for k, v in overrides.items() if k not in files}
     return cls(**folders, **{k: Path(overrides[k]) if k in overrides else folders[d] / name
                              for k, (d, name) in files.items()})
 
@@ -25,6 +29,7 @@ class WorldPaths:
     """The files and folders of one world's stages."""
     world: str  # its name
     dataset_dir: Path
+    dataset_identity: Optional[Path]  # its files' sha256 (lisa/data/identity.py), committed; None: unchecked
     codes_dir: Path
     tokenizer_dir: Path
     tokenizer_work: Path
@@ -46,6 +51,7 @@ class WorldPaths:
     drafter_report: Path
     drafter_curves: Path
     cache_dir: Path
+    cache_identity: Optional[Path]  # a committed copy of the cache's identity.json; None: unchecked
     cache_report: Path
     ablation_dir: Path
     ablation_work: Path
@@ -83,7 +89,8 @@ class WorldPaths:
         r, w = Path(root), world
         data, reports, work = r / "data", r / "reports", r / "data" / "work"
         folders = dict(
-            world=w, dataset_dir=data / "datasets" / w, codes_dir=data / "codes" / w,
+            world=w, dataset_dir=data / "datasets" / w, dataset_identity=data / "identity" / "datasets" / f"{w}.json",
+            codes_dir=data / "codes" / w,
             tokenizer_dir=data / "tokenizer" / w, tokenizer_work=work / "tokenizer" / w,
             tokenizer_report=reports / "tokenizer" / f"{w}.json",
             target_dir=data / "target" / w, target_work=work / "target" / w,
@@ -95,7 +102,8 @@ class WorldPaths:
             evaluate_dir=reports / "quality" / w,
             drafter_dir=data / "drafter" / w, drafter_work=work / "drafter" / w,
             drafter_report=reports / "drafter" / f"{w}.json", drafter_curves=reports / "drafter" / w,
-            cache_dir=data / "cache" / w, cache_report=reports / "cache" / f"{w}.json",
+            cache_dir=data / "cache" / w, cache_identity=data / "identity" / "cache" / f"{w}.json",
+            cache_report=reports / "cache" / f"{w}.json",
             ablation_dir=data / "ablation" / w, ablation_work=work / "ablation" / w,
             ablation_report=reports / "ablation" / w,
             arch_work=work / "ablate-arch" / w, arch_report=reports / "ablate-arch" / w,
@@ -118,7 +126,8 @@ class WorldPaths:
                      drafter_file=("drafter_dir", "drafter.safetensors"),
                      lid_drafter_file=("ablation_dir", "lid.safetensors"),
                      calibration_file=("calibration_dir", "calibration.safetensors"))
-        return _build(cls, folders, files, overrides)
+        return _build(cls, folders, files, overrides,
+                      identities=dict(dataset_identity="dataset_dir", cache_identity="cache_dir"))
 
 
 @dataclass(frozen=True)
@@ -127,6 +136,7 @@ class SharedPaths:
     root: Path
     bench_dir: Path  # vanilla.{json,md}; bench-spec's <world>.json, read by the table
     fixture_dir: Path
+    fixture_identity: Optional[Path]  # the fixture's files and sha256, committed (params corpora.laion_identity)
     laion_dir: Path
     laion_report: Path
     reports_dir: Path
@@ -139,10 +149,11 @@ class SharedPaths:
         r = Path(root)
         corpora = r / "data" / "corpora"
         folders = dict(root=r, bench_dir=r / "reports" / "bench", fixture_dir=corpora / "laion-coco-fixture",
+                       fixture_identity=r / "data" / "identity" / "corpora" / "laion-coco-fixture.json",
                        laion_dir=corpora / "laion-coco", laion_report=r / "reports" / "corpora" / "laion-coco.json",
                        reports_dir=r / "reports")
         files = dict(table_file=("reports_dir", "table.md"), pareto_file=("reports_dir", "pareto.png"))
-        return _build(cls, folders, files, overrides)
+        return _build(cls, folders, files, overrides, identities=dict(fixture_identity="fixture_dir"))
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,13 @@ SECONDS = {"build-dataset": 25, "cache-logits": 45, "laion-fixture": 30, "build-
 
 
 def release_families(dvc_yaml: dict) -> set[str]:
-    """The stages (foreach families) with an output committed to git under data/: the release artifacts."""
+    """The stages (foreach families) with an output committed to git under data/: the release artifacts. An identity
+    file (data/identity/: the sha256 of a folder that a fresh clone rebuilds) is committed but is no artifact."""
     out = set()
     for name, st in dvc_yaml.get("stages", {}).items():
         for o in st.get("do", st).get("outs", []):
-            if isinstance(o, dict) and any(str(k).startswith("data/") and (v or {}).get("cache") is False
-                                           for k, v in o.items()):
+            if isinstance(o, dict) and any(str(k).startswith("data/") and not str(k).startswith("data/identity/")
+                                           and (v or {}).get("cache") is False for k, v in o.items()):
                 out.add(name)
     return out
 

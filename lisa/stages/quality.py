@@ -36,7 +36,7 @@ def _recipe_hash(parts: list) -> str:
 def fid_reference(world: WorldParams, p: QualityParams, paths: WorldPaths) -> dict:
     """Held-out Inception features (kept for `evaluate`) and the reference FID / KID: held-out vs train (the
     floor), vs VQ reconstructions, vs a unigram baseline. Resumable per set (quality_work)."""
-    train_u8, test_u8, _ = load_images(paths.dataset_dir)
+    train_u8, test_u8, _ = load_images(paths.dataset_dir, paths.dataset_identity)
     vq, vq_meta = load_tokenizer(paths.tokenizer_file)
     cfg = world.gpt_config()
     vq = image_tokenizer(vq, cfg)  # lm targets: the grammar is dropped before decoding
@@ -70,7 +70,7 @@ def fid_reference(world: WorldParams, p: QualityParams, paths: WorldPaths) -> di
 
 def train_judge(world: WorldParams, p: TrainJudgeParams, paths: WorldPaths) -> dict:
     """Train the world's judge on its real training images: a classifier (c2i) or a small CLIP (t2i)."""
-    train_u8, test_u8, ds = load_images(paths.dataset_dir)
+    train_u8, test_u8, ds = load_images(paths.dataset_dir, paths.dataset_identity)
     classes = ds["train"].features["label"].names
     kind = "classifier" if world.gpt_config().model_type == "c2i" else "clip"
     config = judges.JudgeConfig(kind, image_size=train_u8.shape[-1], num_classes=len(classes), width=p.width,

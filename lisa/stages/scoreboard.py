@@ -149,7 +149,7 @@ def quality_point(world: WorldParams, name: str, p: ScoreboardParams, q: Quality
     images = quality.decode_tokens(s.vq, tokens)
     inception = quality.cached(work / "features.safetensors", "features",
                                lambda: fid.features(images, q.inception_batch))
-    _, test_u8, _ = load_images(paths.dataset_dir)
+    _, test_u8, _ = load_images(paths.dataset_dir, paths.dataset_identity)
     _, ref_idx, _ = quality.read_reference(paths.reference_file)
     x = data.to_model_range(images)
     score_name, scores = judges.per_image_scores(s.judge, x, s.labels, s.captions)

@@ -16,8 +16,10 @@ temporary file and renamed, with its sha256 beside it (`sha256/shard-*.parquet`)
 shards; rerunning keeps a shard only if its bytes still match that hash (resumable: the result equals an
 uninterrupted run's; a changed or unhashed shard is written again). identity.json records what the cache is a
 function of (target, source data, settings, version): a rerun with another identity clears the folder first, so
-a cache never mixes settings, and consumers (calibrate, ablate-lid) depend on that file in dvc.yaml, not on the
-shards' bytes, which may differ in float rounding from one CPU to another. Workers (torchrun ranks) take every world_size-th shard; rank 0 writes
+a cache never mixes settings. A committed copy of it (data/identity/cache/<world>.json, written with the manifest) is
+what consumers (calibrate, ablate-lid, ablate-arch) depend on in dvc.yaml, not the shards' bytes, which may differ
+in float rounding from one CPU to another, nor the folder, which a fresh clone lacks; `open_cache` checks the two
+are equal. Workers (torchrun ranks) take every world_size-th shard; rank 0 writes
 manifest.json when all are there. Every shard's schema metadata and the manifest carry the target's sha256:
 readers (`open_cache`) check the schema and refuse a cache made by another target.
 """
@@ -260,12 +262,22 @@ class LogitCache:
         return (self.topk_logit - self.lse[..., None]).exp()
 
 
-def open_cache(cache_dir: str | Path, target_sha256: Optional[str] = None) -> LogitCache:
-    """Read a cache, checking its manifest, every shard's schema and hash, and (if given) the target's hash."""
+def open_cache(cache_dir: str | Path, target_sha256: Optional[str] = None,
+               identity_file: Optional[Path] = None) -> LogitCache:
+    """Read a cache, checking its manifest, every shard's schema and hash, (if given) the target's hash, and (if given)
+    that its identity.json equals identity_file (the committed copy that cache-logits writes: the readers' dep)."""
     d = Path(cache_dir)
     mpath = d / MANIFEST
     if not mpath.is_file():
         raise CacheError(f"{mpath}: no manifest: the cache is incomplete or not a logit cache (`lisa cache-logits`)")
+    if identity_file is not None:
+        if not Path(identity_file).is_file():
+            raise CacheError(f"{identity_file}: no such file (`lisa cache-logits` writes it with the cache)")
+        want = read_json(identity_file, CacheError)
+        got = read_json(d / IDENTITY, CacheError) if (d / IDENTITY).is_file() else {}
+        if want != got:
+            raise CacheError(f"{d / IDENTITY} differs from {identity_file} ({_identity_diff(want, got)}): the cache "
+                             "is not the one the stage depends on; rebuild it (`lisa cache-logits`)")
     m = read_json(mpath, CacheError)
     if m.get("version") != CACHE_VERSION:
         raise CacheError(f"{mpath}: cache version {m.get('version')!r}, this lisa reads {CACHE_VERSION!r}")
