@@ -30,7 +30,7 @@ from lisa.models.gpt import gpt_config
 from lisa.sections import (AblateArchParams, AblateLIDParams, ArchEntry, AutoTreeParams, BenchMethod, BenchParams,
                            BenchSpecParams, BuildDatasetParams, CacheLogitsParams, CalibrateParams, CorporaParams,
                            Count, Count0, DatasetParams, DecodeMethod, DraftTree, DrafterArch, EncodeParams,
-                           EvaluateParams, InitTargetParams, InitTokenizerParams, LIDParams, LaunchParams,
+                           EvaluateParams, InitTargetParams, InitTokenizerParams, LIDConfig, LaionFilter, LaunchParams,
                            PremiseParams, QualityParams, QualityPoint, SAMPLING_KEYS, STRICT, SampleParams, Sampling,
                            SamplingParams, ScoreboardParams, SelfGeneratedParams, Share, SweepFamily, TableCell,
                            TableParams, ThroughputParams, TrainDrafterParams, TrainJudgeParams, TrainParams,

@@ -271,34 +271,45 @@ class SelfGeneratedParams(SamplingParams):
 
 
 @dataclass(config=STRICT)
-class CorporaParams:
-    """Drafter training corpora (lisa/data/corpus.py): the laion-coco builder, its emoji fixture, self-generated."""
-    laion_world: str = "emoji-t2i"  # the world whose tokenizer and caption encoder encode the laion-coco corpus
-    laion_metadata: str = "data/corpora/laion-coco-fixture/metadata"  # folder of LAION-COCO metadata .parquet
-    laion_images: str = "data/corpora/laion-coco-fixture/images"  # img2dataset output (parquet / tar / folder)
+class LaionFilter:
+    """The laion-coco builder's row filter on LAION-COCO's metadata (lisa.data.corpus.build_laion_coco)."""
     min_size: int = 32  # WIDTH and HEIGHT >= min_size
     max_punsafe: float = 0.5
     max_pwatermark: float = 0.8
     min_similarity: float = 0.25  # LAION-COCO's caption-image similarity
+
+
+@dataclass(config=STRICT)
+class CorporaParams(LaionFilter):
+    """Drafter training corpora (lisa/data/corpus.py): the laion-coco builder (its filter: LaionFilter's keys), its
+    emoji fixture, self-generated."""
+    laion_world: str = "emoji-t2i"  # the world whose tokenizer and caption encoder encode the laion-coco corpus
+    laion_metadata: str = "data/corpora/laion-coco-fixture/metadata"  # folder of LAION-COCO metadata .parquet
+    laion_images: str = "data/corpora/laion-coco-fixture/images"  # img2dataset output (parquet / tar / folder)
     shard_size: int = 512
     fixture_rows: Optional[int] = None  # emoji images in the fixture (None = all)
     fixture_format: Literal["parquet", "webdataset", "files"] = "parquet"
     fixture_seed: int = 0
     self_generated: SelfGeneratedParams = Field(default_factory=SelfGeneratedParams)
 
+    def laion_filter(self) -> LaionFilter:
+        """The filter alone (what the corpus manifest records)."""
+        return LaionFilter(**{f.name: getattr(self, f.name) for f in dataclasses.fields(LaionFilter)})
 
-@dataclass(config=STRICT)
-class LIDParams:
-    """LISA's locality-informed distillation (lisa/training/distill.py, LIDConfig): every constant of the loss."""
-    top_kc: int = 8
-    radius: float = 0.3
-    quantile: float = 0.5
-    joint_k: int = 16
-    tau_s: float = 1.0
-    kernel_p: float = 0.9
-    w_base: float = 1.0
-    w_sel: float = 1.0
-    veto_steps: int = 200
+
+@dataclass(config=STRICT, frozen=True)
+class LIDConfig:
+    """LISA's locality-informed distillation: every constant of the loss (lisa.training.distill.lid_loss reads it;
+    ablate_lid's `lid`)."""
+    top_kc: int = 8  # target tokens forming the centroid
+    radius: float = 0.3  # cosine distance of the neighbourhood
+    quantile: float = 0.5  # dynamic threshold: positions with s >= this quantile of the batch (and s > 0)
+    joint_k: int = 16  # top-K of each distribution in the joint set J
+    tau_s: float = 1.0  # softening temperature of the gate and of L_KD
+    kernel_p: float = 0.9  # target kernel (nucleus) set of the truncated CE
+    w_base: float = 1.0  # weight of every position
+    w_sel: float = 1.0  # extra weight of a selected position, times the gate
+    veto_steps: int = 200  # the veto exponent ramps 0 -> 1 over these training steps
     lambda_ce: float = 1.0
     lambda_kd: float = 1.0
 
@@ -309,7 +320,7 @@ class AblateLIDParams(SamplingParams, DraftTree):
     settings but `steps`, then their acceptance length under `exact` on sample.classes / sample.prompts (the
     draft tree: DraftTree's keys, lisa.decoding.methods.tree_spec(p, "exact"))."""
     steps: Count = 300
-    lid: LIDParams = Field(default_factory=LIDParams)
+    lid: LIDConfig = Field(default_factory=LIDConfig)
     per_class: Count = 2  # seeds per class / prompt for the acceptance measurement
 
 

@@ -36,7 +36,7 @@ def laion_fixture(p: CorporaParams, shared: SharedPaths) -> dict:
 def build_laion_coco(world: WorldParams, p: CorporaParams, paths: WorldPaths, shared: SharedPaths) -> dict:
     """The laion-coco corpus (lisa.data.corpus.build_laion_coco) of `p.laion_metadata` / `p.laion_images`, with the
     tokenizer and caption encoder of the world `p.laion_world` (`world`, `paths`)."""
-    from lisa.data.corpus import LaionFilter, build_laion_coco as build
+    from lisa.data.corpus import build_laion_coco as build
 
     vq, vq_meta = load_tokenizer(paths.tokenizer_file)
     cfg = world.gpt_config()
@@ -47,7 +47,7 @@ def build_laion_coco(world: WorldParams, p: CorporaParams, paths: WorldPaths, sh
         raise ValueError(f"corpora.laion_world: a laion-coco corpus is for a text-to-image world, not {cfg.model_type}")
     metadata = Path(p.laion_metadata)
     files = sorted(metadata.glob("*.parquet")) if metadata.is_dir() else [metadata]
-    flt = LaionFilter(p.min_size, p.max_punsafe, p.max_pwatermark, p.min_similarity)
+    flt = p.laion_filter()
     m = build(files, Path(p.laion_images), vq, vq_meta["sha256"], caption_encoder(world), cfg.cls_token_num, flt,
               shared.laion_dir, p.shard_size)
     metrics = {"sequences": m["rows"], "bytes": m["bytes"], "counts": m["counts"], "filter": m["filter"]}

@@ -115,7 +115,6 @@ def ablate_lid(world: WorldParams, train_p: TrainDrafterParams, p: AblateLIDPara
                paths: WorldPaths) -> dict:
     """LID vs the baseline loss, same data (the logit cache), steps and seed: two drafters, then the acceptance
     length tau of each under `exact` verification on the same conditions and seeds."""
-    from lisa.training.distill import LIDConfig
     from lisa.training.drafter import new_drafter, train_drafter as train
 
     target, target_meta = load_target(paths.target_file)
@@ -123,7 +122,7 @@ def ablate_lid(world: WorldParams, train_p: TrainDrafterParams, p: AblateLIDPara
     lc = cache.open_cache(paths.cache_dir, target_meta["sha256"])
     d = load_codes(paths.codes_file, target.config.model_type)
     tp = dataclasses.replace(train_p, steps=p.steps)
-    lid = (target_codebook(vq, target.config), LIDConfig(**dataclasses.asdict(p.lid)))
+    lid = (target_codebook(vq, target.config), p.lid)
     cond = _conditions(world, target, sample_p, p.per_class)
     sampling = sampling_config(world, p)  # the world's own values over the section's
     spec = tree_spec(p, "exact")
