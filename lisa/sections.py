@@ -12,10 +12,6 @@ from typing import Annotated, Any, Literal, Optional
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 from pydantic.dataclasses import dataclass
 
-from lisa.decoding import verify
-from lisa.models.gpt import GPTConfig, gpt_config
-from lisa.models.vq import VQConfig, vq_config
-
 STRICT = ConfigDict(extra="forbid", strict=False)
 # sizes and counts: an int (true / 2.0 are not one) >= 1, or >= 0 where 0 means "none"; a share in [0, 1]
 Count = Annotated[int, Field(ge=1, strict=True)]
@@ -52,12 +48,6 @@ class WorldParams:
         if unknown:
             raise ValueError(f"worlds.<world>.sampling: unknown keys {unknown}; known: {sorted(SAMPLING_KEYS)}")
         return v
-
-    def gpt_config(self) -> GPTConfig:
-        return gpt_config(**self.target)
-
-    def vq_config(self) -> VQConfig:
-        return vq_config(**self.tokenizer)
 
 
 @dataclass(config=STRICT)
@@ -139,13 +129,6 @@ class _Method:
     # vanilla, or a verifier: greedy, exact, lantern, gasv (a drafter's trees), sjd, gsd (drafter-free)
     method: str = "vanilla"
 
-    @field_validator("method")
-    @classmethod
-    def _known(cls, v: str) -> str:
-        if v != "vanilla" and v not in verify.VERIFIERS:
-            raise ValueError(f"decoding method {v!r}: not 'vanilla' nor a verifier {sorted(verify.VERIFIERS)}")
-        return v
-
 
 @dataclass(config=STRICT)
 class DraftTree:
@@ -173,21 +156,9 @@ class DecodeMethod(DraftTree, _Method):
     @field_validator("options")
     @classmethod
     def _options(cls, v: dict[str, float], info: ValidationInfo) -> dict[str, float]:
-        method = info.data.get("method")
-        if method == "vanilla" and v:
+        if info.data.get("method") == "vanilla" and v:
             raise ValueError(f"vanilla decoding takes no options, got {sorted(v)}")
-        if method not in (None, "vanilla"):
-            verify.verifier_options(method, v)
         return v
-
-    @property
-    def drafts_tree(self) -> bool:
-        """Whether the method verifies a drafter's trees (and so needs a drafter and a SpecConfig)."""
-        return self.method != "vanilla" and not verify.is_jacobi(self.method)
-
-    def verifier_options(self):
-        """The typed options of the method's verifier (None for vanilla)."""
-        return None if self.method == "vanilla" else verify.verifier_options(self.method, self.options)
 
 
 @dataclass(config=STRICT)

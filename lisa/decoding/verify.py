@@ -199,6 +199,12 @@ def is_jacobi(name: str) -> bool:
     return _entry(name).drafts == "jacobi"
 
 
+def drafts_tree(name: str) -> bool:
+    """Whether method `name` verifies a drafter's trees (and so needs a drafter and a SpecConfig): a verifier whose
+    entry drafts "tree"; vanilla and the Jacobi verifiers do not."""
+    return name != "vanilla" and _entry(name).drafts == "tree"
+
+
 def reads(name: str) -> frozenset:
     """What verifier `name` reads of the codebook geometry (Verifier.reads); vanilla reads nothing."""
     return frozenset() if name == "vanilla" else _entry(name).reads
@@ -218,6 +224,11 @@ def verifier_options(name: str, options: Optional[Mapping[str, float]] = None):
     """The typed options of verifier `name` from a mapping of knobs (params.yaml's `options`); None = defaults.
     An unknown key, or a fractional value for an integer knob, is a ValueError naming the verifier and the key."""
     return typed_options(name, _entry(name).options, options)
+
+
+def method_options(m):
+    """The typed options of a params.yaml method (lisa.config.DecodeMethod) for its verifier; None for vanilla."""
+    return None if m.method == "vanilla" else verifier_options(m.method, m.options)
 
 
 VERIFIERS: dict[str, Verifier] = {

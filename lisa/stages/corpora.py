@@ -14,6 +14,7 @@ import torch
 from lisa.checkpoint import read_state_dict, write_json
 from lisa.config import CorporaParams, SelfGeneratedParams, WorldParams
 from lisa.decoding.sampling import sampling_config
+from lisa.models.gpt import gpt_config
 from lisa.models.llamagen import load_target, load_tokenizer
 from lisa.stages.common import caption_cond, caption_encoder
 from lisa.stages.paths import Call, SharedPaths, Stage, WorldPaths
@@ -39,7 +40,7 @@ def build_laion_coco(world: WorldParams, p: CorporaParams, paths: WorldPaths, sh
     from lisa.data.corpus import build_laion_coco as build
 
     vq, vq_meta = load_tokenizer(paths.tokenizer_file)
-    cfg = world.gpt_config()
+    cfg = gpt_config(**world.target)
     if cfg.model_type == "lm":
         raise ValueError("corpora.laion_world: Lumina-mGPT (lm) drafters train on the target's own samples "
                          "(build-self-generated), not on LAION-COCO; name a LlamaGen world")

@@ -10,6 +10,7 @@ from lisa.checkpoint import atomic_write
 from lisa.data import datasets as data
 from lisa.data.images import grid_image
 from lisa.decoding.methods import method_spec
+from lisa.decoding.verify import drafts_tree, method_options
 from lisa.quality import metrics as quality
 
 
@@ -121,9 +122,9 @@ def describe_cell(c) -> str:
     """A table cell's settings in a few words: window, or tree and verifier knobs."""
     if c.method == "vanilla":
         return "-"
-    if not c.drafts_tree:
+    if not drafts_tree(c.method):
         return f"window {c.window}"
-    o = c.verifier_options()
+    o = method_options(c)
     tree = (method_spec(c).describe() if c.draft == "sample" else
             f"{c.tree} d{c.depth} top-{c.top_k_draft} {c.total_tokens} nodes")
     if c.method == "lantern":
