@@ -102,12 +102,27 @@ class InitTokenizerParams:
 
 @dataclass(config=STRICT)
 class Sampling:
-    """The top-level `sampling` section (lisa.decoding.sampling.SamplingConfig): the values every sampling section
-    inherits unless it sets its own; a world's `sampling` is over both."""
-    temperature: float = 1.0
+    """The sampling rule (lisa/decoding/sampling.py applies it, as SamplingConfig): guidance, temperature, top-k and
+    top-p. The top-level `sampling` section is one: the values every sampling section inherits unless it sets its
+    own; a world's `sampling` is over both (lisa.decoding.sampling.sampling_config)."""
+    temperature: float = 1.0  # 0 = greedy
     top_k: Count0 = 0  # keep the k most likely tokens (0 = all)
-    top_p: float = 1.0
-    cfg_scale: Annotated[float, Field(ge=0)] = 4.0  # 1 = off; 0 = the unconditional model
+    top_p: float = 1.0  # 1 = off
+    cfg_scale: Annotated[float, Field(ge=0)] = 1.0  # 1 = no guidance (the unconditional half is not even computed)
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def use_cfg(self) -> bool:
+        return self.cfg_scale != 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
 
 SAMPLING_KEYS = frozenset(f.name for f in dataclasses.fields(Sampling))
