@@ -147,7 +147,8 @@ class _Method:
 
 @dataclass(config=STRICT)
 class DraftTree:
-    """The draft tree of a speculative method (lisa.decoding.generate.SpecConfig)."""
+    """The draft tree of a speculative method; the loop reads it with its verifier (lisa.decoding.generate.SpecConfig,
+    a subclass) once "auto" is resolved."""
     tree: Literal["dynamic", "static", "chain", "auto"] = "dynamic"  # auto: lisa.decoding.costmodel picks the size
     depth: Count = 4  # draft levels
     top_k_draft: Count = 4  # children per expanded node (dynamic, static)

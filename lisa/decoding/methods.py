@@ -103,8 +103,8 @@ def tree_spec(tree: DraftTree, verifier: str) -> SpecConfig:
     must be resolved first (`auto_tree`)."""
     if tree.tree == "auto":
         raise ValueError("tree 'auto' is resolved by the cost model before decoding (lisa.decoding.methods.auto_tree)")
-    return SpecConfig(verifier, tree.tree, tree.depth, tree.top_k_draft, tree.total_tokens, tree.draft, tree.siblings,
-                      tuple(tree.branching))
+    return SpecConfig(verifier, **{f.name: getattr(tree, f.name) for f in dataclasses.fields(DraftTree)}
+                      | {"branching": list(tree.branching)})
 
 
 def method_spec(m: DecodeMethod) -> Optional[SpecConfig]:
