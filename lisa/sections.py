@@ -415,12 +415,13 @@ class BenchSpecParams(SamplingParams):
 
 @dataclass(config=STRICT)
 class CalibrateParams:
-    """GASV's offline calibration (lisa/training/calibrate.py): clusters, budgets, neighbour table for one target."""
-    clusters: Count = 64
-    budget_quantile: Share = 0.5
-    min_count: Count0 = 256
-    positions: Count = 65536
-    neighbours: Count = 64
+    """GASV's offline calibration (lisa/training/calibrate.py, which calls it CalibrateConfig): clusters, budgets,
+    neighbour table for one target."""
+    clusters: Count = 64  # k-means clusters of the whitened head rows
+    budget_quantile: Share = 0.5  # beta_c: this quantile of the drift over the calibration pass
+    min_count: Count0 = 256  # fewer drifts in a cluster: use the global quantile
+    positions: Count = 65536  # calibration-pass positions read from the cache (conditional rows)
+    neighbours: Count = 64  # nearest codes per code (neighbour table)
     eps: Annotated[float, Field(gt=0)] = 1e-6
     seed: int = 0
 

@@ -213,12 +213,12 @@ def ablate_arch(world: WorldParams, train_p: TrainDrafterParams, p: AblateArchPa
 def calibrate(p: CalibrateParams, paths: WorldPaths) -> dict:
     """GASV's calibration of a target checkpoint from its output head, its codebook and its logit cache
     -> calibration_dir/calibration.{safetensors,json} (the JSON records the target's sha256)."""
-    from lisa.training.calibrate import CalibrateConfig, calibrate as fit, save_calibration
+    from lisa.training.calibrate import calibrate as fit, save_calibration
 
     model, target_meta = load_target(paths.target_file)
     vq, vq_meta = load_tokenizer(paths.tokenizer_file)
     lc = cache.open_cache(paths.cache_dir, target_meta["sha256"])
-    cal = fit(model.output.weight, target_codebook(vq, model.config), lc, CalibrateConfig(**dataclasses.asdict(p)),
+    cal = fit(model.output.weight, target_codebook(vq, model.config), lc, p,
               {"target": str(paths.target_file), "target_sha256": target_meta["sha256"],
                "tokenizer": str(paths.tokenizer_file), "tokenizer_sha256": vq_meta["sha256"],
                "cache": str(paths.cache_dir)})
