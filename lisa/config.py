@@ -10,7 +10,7 @@ The section types live in lisa/sections.py (all importable from here); this modu
 checks what spans sections at load (`parse_params`) and reads the profiles.
 The params are plain data and a leaf: neither module imports lisa.decoding, lisa.models or torch. The types the code
 shares with params.yaml are defined here once and imported by the code (the sampling rule, the draft tree, LIDConfig,
-LaionFilter); what only the code can check (verifier names and options, model presets and world sizes) is checked
+LaionFilter, CalibrateParams); what only the code can check (verifier names and options, model presets and world sizes) is checked
 at load by lisa.stages.params, which run_stage and the CLI load through. `seed_for` is the one seed rule.
 """
 from __future__ import annotations

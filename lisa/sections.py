@@ -1,7 +1,9 @@
 """The types of params.yaml's sections (lisa.config assembles them into Params and loads the file): one dataclass per
-stage's section, the world, the sampling values every sampling section inherits, and a decoding method
-(`DecodeMethod`: the method, its draft tree, window, verifier options and drafter; its options are checked against
-the verifier's registry entry at load). Strict: an unknown key is an error."""
+stage's section, the world, the sampling rule every sampling section inherits, and a decoding method (`DecodeMethod`:
+the method, its draft tree, window, verifier options and drafter). Strict: an unknown key is an error. Plain data:
+no import of the code; the types the code shares (Sampling, DraftTree, LIDConfig, LaionFilter, CalibrateParams) are
+defined here once, and what only the code can check (a method's verifier and options against the registry, the
+worlds' model sizes) lisa.stages.params checks at load."""
 from __future__ import annotations
 
 import copy
@@ -164,7 +166,7 @@ class DraftTree:
 class DecodeMethod(DraftTree, _Method):
     """A decoding method: vanilla, a verifier of a drafter's trees (DraftTree), or a drafter-free Jacobi verifier
     over a window; `options` are the verifier's knobs, checked against its options type at load
-    (lisa.decoding.verify.verifier_options)."""
+    (lisa.stages.params, by lisa.decoding.verify.verifier_options)."""
     window: Count = 16  # sjd / gsd draft window
     options: dict[str, float] = Field(default_factory=dict)  # e.g. lantern {k, delta}, gasv {kappa, lambda, k}
     drafter: Literal["release", "lid"] = "release"  # data/drafter/<world> (baseline loss) | ablate-lid's LID drafter
