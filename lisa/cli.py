@@ -14,9 +14,10 @@ from pathlib import Path
 
 from lisa import __version__
 from lisa.checkpoint import CheckpointError
-from lisa.config import ConfigError, load_params, profile_text
+from lisa.config import ConfigError, profile_text
 from lisa.decoding.verify import VERIFIERS, needs
 from lisa.stages import STAGES, SharedPaths, WorldPaths, run_stage
+from lisa.stages.params import load_params
 
 
 def cmd_bench_gpu(a):

@@ -4,12 +4,14 @@ One section per pipeline stage (`build_dataset`, `train_tokenizer`, `encode`, `t
 `init_tokenizer`, `sample`, `premise`, the training and quality stages, `bench`, `bench_spec`) plus `worlds`:
 each world is one target family with its tokenizer (the stages loop over worlds). Named profiles (`micro` for
 CI, `real`; the default is params.yaml) live in lisa/profiles/. Validation uses pydantic dataclasses with extra
-keys forbidden. A decoding method is one type, `DecodeMethod` (its verifier options are checked at load); every
-sampling section inherits the top-level `sampling` values it does not set (`inherit_sampling`).
+keys forbidden. A decoding method is one type, `DecodeMethod`; every sampling section inherits the top-level
+`sampling` values it does not set (`inherit_sampling`).
 The section types live in lisa/sections.py (all importable from here); this module assembles them into `Params`,
 checks what spans sections at load (`parse_params`) and reads the profiles.
-The params are plain data: the code that reads them builds from them (lisa.decoding.methods.method_decoder,
-method_spec and tree_spec; lisa.decoding.sampling.sampling_config). `seed_for` is the one seed rule.
+The params are plain data and a leaf: neither module imports lisa.decoding, lisa.models or torch. The types the code
+shares with params.yaml are defined here once and imported by the code (the sampling rule, the draft tree, LIDConfig,
+LaionFilter, CalibrateParams); what only the code can check (verifier names and options, model presets and world sizes) is checked
+at load by lisa.stages.params, which run_stage and the CLI load through. `seed_for` is the one seed rule.
 """
 from __future__ import annotations
 
@@ -24,13 +26,11 @@ import yaml
 from pydantic import Field, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass
 
-from lisa.decoding import verify
-from lisa.models.gpt import gpt_config
 # the section types, importable from here
 from lisa.sections import (AblateArchParams, AblateLIDParams, ArchEntry, AutoTreeParams, BenchMethod, BenchParams,
                            BenchSpecParams, BuildDatasetParams, CacheLogitsParams, CalibrateParams, CorporaParams,
                            Count, Count0, DatasetParams, DecodeMethod, DraftTree, DrafterArch, EncodeParams,
-                           EvaluateParams, InitTargetParams, InitTokenizerParams, LIDParams, LaunchParams,
+                           EvaluateParams, InitTargetParams, InitTokenizerParams, LIDConfig, LaionFilter, LaunchParams,
                            PremiseParams, QualityParams, QualityPoint, SAMPLING_KEYS, STRICT, SampleParams, Sampling,
                            SamplingParams, ScoreboardParams, SelfGeneratedParams, Share, SweepFamily, TableCell,
                            TableParams, ThroughputParams, TrainDrafterParams, TrainJudgeParams, TrainParams,
@@ -88,9 +88,8 @@ class Params:
         elif name in (named := {m.name: m for m in self.bench_spec.methods}):
             m = named[name]
         else:
-            raise ConfigError(f"method {name!r}: not 'vanilla', a verifier {sorted(verify.VERIFIERS)}, a key of "
-                              f"table.cells {sorted(self.table.cells)} nor a name of bench_spec.methods "
-                              f"{sorted(named)}")
+            raise ConfigError(f"method {name!r}: not 'vanilla', a verifier, a key of table.cells "
+                              f"{sorted(self.table.cells)} nor a name of bench_spec.methods {sorted(named)}")
         return DecodeMethod(**{f: getattr(m, f) for f in fields} | {"options": dict(m.options)})
 
 
@@ -139,25 +138,6 @@ def parse_params(raw: Any, source: str = "params.yaml") -> Params:
         params = TypeAdapter(Params).validate_python(inherit_sampling(raw))
     except ValidationError as e:
         raise ConfigError("\n".join(_describe(err, source) for err in e.errors())) from None
-    for name, world in params.worlds.items():
-        for section, build in (("target", world.gpt_config), ("tokenizer", world.vq_config)):
-            try:
-                build()
-            except (ValueError, TypeError) as e:
-                raise ConfigError(f"{source}: section 'worlds.{name}.{section}': {e}") from None
-        g, v = world.gpt_config(), world.vq_config()
-        small = {k: getattr(g, k) for k in ("n_layer", "n_head", "dim", "vocab_size", "block_size") if getattr(g, k) < 1}
-        if small:
-            raise ConfigError(f"{source}: section 'worlds.{name}.target': sizes must be >= 1, got {small}")
-        if params.cache_logits.K > g.vocab_size:
-            raise ConfigError(f"{source}: section 'cache_logits': K {params.cache_logits.K} is above world {name!r}'s "
-                              f"vocabulary ({g.vocab_size} codes)")
-        if world.target_checkpoint is None and g.block_size != v.grid_size**2:
-            raise ConfigError(f"{source}: world {name!r}: target block_size {g.block_size} != tokenizer grid "
-                              f"{v.grid_size}x{v.grid_size} (image_size {v.image_size} / downsample {v.downsample})")
-        if world.target_checkpoint is None and g.vocab_size != v.codebook_size:
-            raise ConfigError(f"{source}: world {name!r}: target vocab_size {g.vocab_size} != tokenizer "
-                              f"codebook_size {v.codebook_size}")
     for name in params.table.cells:
         if "." in name or "@" in name:
             raise ConfigError(f"{source}: section 'table': cell key {name!r}: no '.' or '@' (DVC stage and param "
@@ -193,10 +173,6 @@ def parse_params(raw: Any, source: str = "params.yaml") -> Params:
         if pt.family not in sb.families:
             raise ConfigError(f"{source}: section 'scoreboard.points.{name}': family {pt.family!r} is not in "
                               f"scoreboard.families {sorted(sb.families)}")
-    try:
-        gpt_config(**params.bench.target)
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"{source}: section 'bench.target': {e}") from None
     return params
 
 

@@ -1,7 +1,9 @@
 """The types of params.yaml's sections (lisa.config assembles them into Params and loads the file): one dataclass per
-stage's section, the world, the sampling values every sampling section inherits, and a decoding method
-(`DecodeMethod`: the method, its draft tree, window, verifier options and drafter; its options are checked against
-the verifier's registry entry at load). Strict: an unknown key is an error."""
+stage's section, the world, the sampling rule every sampling section inherits, and a decoding method (`DecodeMethod`:
+the method, its draft tree, window, verifier options and drafter). Strict: an unknown key is an error. Plain data:
+no import of the code; the types the code shares (Sampling, DraftTree, LIDConfig, LaionFilter, CalibrateParams) are
+defined here once, and what only the code can check (a method's verifier and options against the registry, the
+worlds' model sizes) lisa.stages.params checks at load."""
 from __future__ import annotations
 
 import copy
@@ -11,10 +13,6 @@ from typing import Annotated, Any, Literal, Optional
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 from pydantic.dataclasses import dataclass
-
-from lisa.decoding import verify
-from lisa.models.gpt import GPTConfig, gpt_config
-from lisa.models.vq import VQConfig, vq_config
 
 STRICT = ConfigDict(extra="forbid", strict=False)
 # sizes and counts: an int (true / 2.0 are not one) >= 1, or >= 0 where 0 means "none"; a share in [0, 1]
@@ -52,12 +50,6 @@ class WorldParams:
         if unknown:
             raise ValueError(f"worlds.<world>.sampling: unknown keys {unknown}; known: {sorted(SAMPLING_KEYS)}")
         return v
-
-    def gpt_config(self) -> GPTConfig:
-        return gpt_config(**self.target)
-
-    def vq_config(self) -> VQConfig:
-        return vq_config(**self.tokenizer)
 
 
 @dataclass(config=STRICT)
@@ -112,12 +104,27 @@ class InitTokenizerParams:
 
 @dataclass(config=STRICT)
 class Sampling:
-    """The top-level `sampling` section (lisa.decoding.sampling.SamplingConfig): the values every sampling section
-    inherits unless it sets its own; a world's `sampling` is over both."""
-    temperature: float = 1.0
+    """The sampling rule (lisa/decoding/sampling.py applies it, as SamplingConfig): guidance, temperature, top-k and
+    top-p. The top-level `sampling` section is one: the values every sampling section inherits unless it sets its
+    own; a world's `sampling` is over both (lisa.decoding.sampling.sampling_config)."""
+    temperature: float = 1.0  # 0 = greedy
     top_k: Count0 = 0  # keep the k most likely tokens (0 = all)
-    top_p: float = 1.0
-    cfg_scale: Annotated[float, Field(ge=0)] = 4.0  # 1 = off; 0 = the unconditional model
+    top_p: float = 1.0  # 1 = off
+    cfg_scale: Annotated[float, Field(ge=0)] = 1.0  # 1 = no guidance (the unconditional half is not even computed)
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def use_cfg(self) -> bool:
+        return self.cfg_scale != 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
 
 SAMPLING_KEYS = frozenset(f.name for f in dataclasses.fields(Sampling))
@@ -139,17 +146,11 @@ class _Method:
     # vanilla, or a verifier: greedy, exact, lantern, gasv (a drafter's trees), sjd, gsd (drafter-free)
     method: str = "vanilla"
 
-    @field_validator("method")
-    @classmethod
-    def _known(cls, v: str) -> str:
-        if v != "vanilla" and v not in verify.VERIFIERS:
-            raise ValueError(f"decoding method {v!r}: not 'vanilla' nor a verifier {sorted(verify.VERIFIERS)}")
-        return v
-
 
 @dataclass(config=STRICT)
 class DraftTree:
-    """The draft tree of a speculative method (lisa.decoding.generate.SpecConfig)."""
+    """The draft tree of a speculative method; the loop reads it with its verifier (lisa.decoding.generate.SpecConfig,
+    a subclass) once "auto" is resolved."""
     tree: Literal["dynamic", "static", "chain", "auto"] = "dynamic"  # auto: lisa.decoding.costmodel picks the size
     depth: Count = 4  # draft levels
     top_k_draft: Count = 4  # children per expanded node (dynamic, static)
@@ -165,7 +166,7 @@ class DraftTree:
 class DecodeMethod(DraftTree, _Method):
     """A decoding method: vanilla, a verifier of a drafter's trees (DraftTree), or a drafter-free Jacobi verifier
     over a window; `options` are the verifier's knobs, checked against its options type at load
-    (lisa.decoding.verify.verifier_options)."""
+    (lisa.stages.params, by lisa.decoding.verify.verifier_options)."""
     window: Count = 16  # sjd / gsd draft window
     options: dict[str, float] = Field(default_factory=dict)  # e.g. lantern {k, delta}, gasv {kappa, lambda, k}
     drafter: Literal["release", "lid"] = "release"  # data/drafter/<world> (baseline loss) | ablate-lid's LID drafter
@@ -173,21 +174,9 @@ class DecodeMethod(DraftTree, _Method):
     @field_validator("options")
     @classmethod
     def _options(cls, v: dict[str, float], info: ValidationInfo) -> dict[str, float]:
-        method = info.data.get("method")
-        if method == "vanilla" and v:
+        if info.data.get("method") == "vanilla" and v:
             raise ValueError(f"vanilla decoding takes no options, got {sorted(v)}")
-        if method not in (None, "vanilla"):
-            verify.verifier_options(method, v)
         return v
-
-    @property
-    def drafts_tree(self) -> bool:
-        """Whether the method verifies a drafter's trees (and so needs a drafter and a SpecConfig)."""
-        return self.method != "vanilla" and not verify.is_jacobi(self.method)
-
-    def verifier_options(self):
-        """The typed options of the method's verifier (None for vanilla)."""
-        return None if self.method == "vanilla" else verify.verifier_options(self.method, self.options)
 
 
 @dataclass(config=STRICT)
@@ -271,37 +260,48 @@ class SelfGeneratedParams(SamplingParams):
 
 
 @dataclass(config=STRICT)
-class CorporaParams:
-    """Drafter training corpora (lisa/data/corpus.py): the laion-coco builder, its emoji fixture, self-generated."""
+class LaionFilter:
+    """The laion-coco builder's row filter on LAION-COCO's metadata (lisa.data.corpus.build_laion_coco)."""
+    min_size: int = 32  # WIDTH and HEIGHT >= min_size
+    max_punsafe: float = 0.5
+    max_pwatermark: float = 0.8
+    min_similarity: float = 0.25  # LAION-COCO's caption-image similarity
+
+
+@dataclass(config=STRICT)
+class CorporaParams(LaionFilter):
+    """Drafter training corpora (lisa/data/corpus.py): the laion-coco builder (its filter: LaionFilter's keys), its
+    emoji fixture, self-generated."""
     laion_world: str = "emoji-t2i"  # the world whose tokenizer and caption encoder encode the laion-coco corpus
     laion_metadata: str = "data/corpora/laion-coco-fixture/metadata"  # folder of LAION-COCO metadata .parquet
     laion_images: str = "data/corpora/laion-coco-fixture/images"  # img2dataset output (parquet / tar / folder)
     # the source's files and sha256 (lisa/data/identity.py), build-laion-coco's dep in dvc.yaml: laion-fixture writes
     # the fixture's; for a real download, write_identity(file, metadata=..., images=...) and commit it
     laion_identity: str = "data/identity/corpora/laion-coco-fixture.json"
-    min_size: int = 32  # WIDTH and HEIGHT >= min_size
-    max_punsafe: float = 0.5
-    max_pwatermark: float = 0.8
-    min_similarity: float = 0.25  # LAION-COCO's caption-image similarity
     shard_size: int = 512
     fixture_rows: Optional[int] = None  # emoji images in the fixture (None = all)
     fixture_format: Literal["parquet", "webdataset", "files"] = "parquet"
     fixture_seed: int = 0
     self_generated: SelfGeneratedParams = Field(default_factory=SelfGeneratedParams)
 
+    def laion_filter(self) -> LaionFilter:
+        """The filter alone (what the corpus manifest records)."""
+        return LaionFilter(**{f.name: getattr(self, f.name) for f in dataclasses.fields(LaionFilter)})
 
-@dataclass(config=STRICT)
-class LIDParams:
-    """LISA's locality-informed distillation (lisa/training/distill.py, LIDConfig): every constant of the loss."""
-    top_kc: int = 8
-    radius: float = 0.3
-    quantile: float = 0.5
-    joint_k: int = 16
-    tau_s: float = 1.0
-    kernel_p: float = 0.9
-    w_base: float = 1.0
-    w_sel: float = 1.0
-    veto_steps: int = 200
+
+@dataclass(config=STRICT, frozen=True)
+class LIDConfig:
+    """LISA's locality-informed distillation: every constant of the loss (lisa.training.distill.lid_loss reads it;
+    ablate_lid's `lid`)."""
+    top_kc: int = 8  # target tokens forming the centroid
+    radius: float = 0.3  # cosine distance of the neighbourhood
+    quantile: float = 0.5  # dynamic threshold: positions with s >= this quantile of the batch (and s > 0)
+    joint_k: int = 16  # top-K of each distribution in the joint set J
+    tau_s: float = 1.0  # softening temperature of the gate and of L_KD
+    kernel_p: float = 0.9  # target kernel (nucleus) set of the truncated CE
+    w_base: float = 1.0  # weight of every position
+    w_sel: float = 1.0  # extra weight of a selected position, times the gate
+    veto_steps: int = 200  # the veto exponent ramps 0 -> 1 over these training steps
     lambda_ce: float = 1.0
     lambda_kd: float = 1.0
 
@@ -312,7 +312,7 @@ class AblateLIDParams(SamplingParams, DraftTree):
     settings but `steps`, then their acceptance length under `exact` on sample.classes / sample.prompts (the
     draft tree: DraftTree's keys, lisa.decoding.methods.tree_spec(p, "exact"))."""
     steps: Count = 300
-    lid: LIDParams = Field(default_factory=LIDParams)
+    lid: LIDConfig = Field(default_factory=LIDConfig)
     per_class: Count = 2  # seeds per class / prompt for the acceptance measurement
 
 
@@ -420,12 +420,13 @@ class BenchSpecParams(SamplingParams):
 
 @dataclass(config=STRICT)
 class CalibrateParams:
-    """GASV's offline calibration (lisa/training/calibrate.py): clusters, budgets, neighbour table for one target."""
-    clusters: Count = 64
-    budget_quantile: Share = 0.5
-    min_count: Count0 = 256
-    positions: Count = 65536
-    neighbours: Count = 64
+    """GASV's offline calibration (lisa/training/calibrate.py, which calls it CalibrateConfig): clusters, budgets,
+    neighbour table for one target."""
+    clusters: Count = 64  # k-means clusters of the whitened head rows
+    budget_quantile: Share = 0.5  # beta_c: this quantile of the drift over the calibration pass
+    min_count: Count0 = 256  # fewer drifts in a cluster: use the global quantile
+    positions: Count = 65536  # calibration-pass positions read from the cache (conditional rows)
+    neighbours: Count = 64  # nearest codes per code (neighbour table)
     eps: Annotated[float, Field(gt=0)] = 1e-6
     seed: int = 0
 

@@ -4,7 +4,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lisa.config import ConfigError, load_params, parse_params, profile_text
+from lisa.config import ConfigError, profile_text
+from lisa.stages.params import load_params, parse_params  # the schema, then what only the code checks
 from lisa.decoding.sampling import sampling_config
 
 ROOT = Path(__file__).resolve().parents[1]

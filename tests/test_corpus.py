@@ -6,7 +6,7 @@ import torch
 
 from lisa.data.corpus import (CorpusError, LaionFilter, build_laion_coco, build_self_generated, make_laion_fixture,
                          read_corpus)
-from lisa.models.vq import VQModel
+from lisa.models.vq import VQModel, vq_config
 from lisa.decoding.sampling import SamplingConfig
 from tests.helpers import micro_gpt
 
@@ -29,7 +29,7 @@ def vq():
 
     p = parse_params(yaml.safe_load(profile_text("micro")))
     torch.manual_seed(0)
-    return VQModel(p.world("emoji-t2i").vq_config()).eval()
+    return VQModel(vq_config(**p.world("emoji-t2i").tokenizer)).eval()
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "webdataset", "files"])

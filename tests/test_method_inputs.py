@@ -7,6 +7,7 @@ import yaml
 
 from lisa.checkpoint import file_sha256, read_json
 from lisa.config import load_params
+from lisa.decoding.verify import drafts_tree
 from lisa.stages.inputs import check_inputs, method_inputs
 from lisa.stages.paths import WorldPaths
 
@@ -29,7 +30,7 @@ def test_each_method_names_what_it_reads(tmp_path):
         for key, m in methods.items():
             reads = read_json(paths.inputs_dir / kind / f"{key}.json")["reads"]
             want = {}
-            if m.method != "vanilla" and m.drafts_tree:
+            if m.method != "vanilla" and drafts_tree(m.method):
                 f = paths.drafter_file if m.drafter == "release" else paths.lid_drafter_file
                 want["drafter"] = {"file": f.as_posix(), "sha256": sha[f]}
             if m.method == "gasv":
@@ -50,7 +51,7 @@ def test_a_retrained_drafter_changes_only_its_readers(tmp_path):
     method_inputs(p, paths)
     changed = {f.relative_to(paths.inputs_dir).as_posix() for f, b in before.items() if f.read_bytes() != b}
     readers = {f"{kind}/{k}.json" for kind, ms in (("cells", p.table.cells), ("families", p.scoreboard.families))
-               for k, m in ms.items() if m.method != "vanilla" and m.drafts_tree and m.drafter == "release"}
+               for k, m in ms.items() if m.method != "vanilla" and drafts_tree(m.method) and m.drafter == "release"}
     assert changed == readers and "cells/vanilla.json" not in changed and "cells/lisa-a.json" not in changed
 
 

@@ -153,6 +153,7 @@ def test_quality_grids(tmp_path):
     import yaml
 
     from lisa.config import parse_params, profile_text
+    from lisa.models.gpt import gpt_config
     from lisa.models.vq import VQModel, vq_config
     from lisa.stages.common import class_names
     from lisa.stages.render import quality_grid
@@ -162,11 +163,11 @@ def test_quality_grids(tmp_path):
     images = torch.randint(0, 256, (40, 3, 16, 16), dtype=torch.uint8)
     labels = torch.arange(40) % 10
     world = p.world("fashion-c2i")
-    w, h = quality_grid(images, labels, [], world.gpt_config(), class_names(world), vq, None).size
+    w, h = quality_grid(images, labels, [], gpt_config(**world.target), class_names(world), vq, None).size
     assert h == 10 * (16 + 2) * 2 + 2 * 2  # ten class rows (2 px padding, upscaled 2x)
     test_codes = torch.randint(0, 64, (12, 16))
     captions = [f"caption {i % 6}" for i in range(40)]  # 12 held-out images, 6 distinct captions
     world = p.world("emoji-t2i")
-    w, h = quality_grid(images, labels, captions, world.gpt_config(), class_names(world), vq, test_codes).size
+    w, h = quality_grid(images, labels, captions, gpt_config(**world.target), class_names(world), vq, test_codes).size
     # rows are the captions whose every sample slot is filled: held-out j < 40 - 36 has 4 samples (j, j+12, ...)
     assert h == 4 * (16 + 2) * 2 + 2 * 2 and w > (5 * (16 + 2) + 2) * 2  # 5 images per row + the label column

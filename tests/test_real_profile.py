@@ -9,6 +9,7 @@ from lisa.data import datasets as data
 from lisa.cli import main
 from lisa.config import SampleParams, WorldParams, load_params, profile_text
 from lisa.decoding.sampling import sampling_config
+from lisa.models.gpt import gpt_config
 from lisa.bench.estimate import estimate_world
 
 
@@ -17,11 +18,11 @@ def test_real_profile_parses_and_estimates(tmp_path, capsys):
     path.write_text(profile_text("real"))
     p = load_params(path)
     assert set(p.worlds) == {"llamagen-t2i", "llamagen-c2i-384", "lumina-mgpt-768"}
-    lumina = p.worlds["lumina-mgpt-768"].gpt_config()
+    lumina = gpt_config(**p.worlds["lumina-mgpt-768"].target)
     assert (lumina.block_size, lumina.vocab_size, lumina.free_vocab) == (2356, 8260, 8192)  # 48 x 48 + grammar
     t2i = p.worlds["llamagen-t2i"]
-    assert t2i.gpt_config().cls_token_num == 120 and t2i.sampling["cfg_scale"] == 7.5
-    assert p.worlds["llamagen-c2i-384"].gpt_config().block_size == 576
+    assert gpt_config(**t2i.target).cls_token_num == 120 and t2i.sampling["cfg_scale"] == 7.5
+    assert gpt_config(**p.worlds["llamagen-c2i-384"].target).block_size == 576
     e = estimate_world("llamagen-t2i", t2i, p)
     assert 0.7e9 < e.target_params < 0.8e9  # GPT-XL: 775M
     assert e.decode_gib > 2 * e.target_params / 2**30  # bf16 weights + caches

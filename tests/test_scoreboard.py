@@ -9,7 +9,8 @@ import torch
 import yaml
 from torch_fidelity.metric_prc import prc_features_to_metric
 
-from lisa.config import ConfigError, DecodeMethod, SweepFamily, load_params, parse_params
+from lisa.config import ConfigError, DecodeMethod, SweepFamily, load_params
+from lisa.stages.params import parse_params
 from lisa.quality import compare
 from lisa.quality.fid import fid_kid
 from lisa.stages.scoreboard import pick

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from lisa.decoding.verify import drafts_tree
 from lisa.models.drafter import DrafterConfig, Eagle3Drafter
-from lisa.models.gpt import Transformer
+from lisa.models.gpt import Transformer, gpt_config
 
 GPUS = {  # name: (memory GiB, HBM TB/s, dense bf16 TFLOP/s)
     "H200": (141, 4.8, 989),
@@ -55,12 +56,12 @@ def estimate_world(name: str, world, params, gpu: str = "H200", tau: float = 2.5
     """Memory and time of one world's stages on `gpu`; tau: the acceptance length assumed for speculative decoding
     (LISA.md: ~2.5-3.5 on the paper's targets)."""
     mem_gib, tbs, tflops = GPUS[gpu]
-    cfg = world.gpt_config()
+    cfg = gpt_config(**world.target)
     dcfg = DrafterConfig.for_target(cfg)
     P, Pd = _params(lambda: Transformer(cfg)), _params(lambda: Eagle3Drafter(dcfg))
     C, T, V = cfg.cls_token_num, cfg.block_size, cfg.vocab_size
     methods = params.bench_spec.methods
-    nodes = max([m.total_tokens for m in methods if m.drafts_tree] or [16])
+    nodes = max([m.total_tokens for m in methods if drafts_tree(m.method)] or [16])
     rows = 2 * params.bench_spec.batch_size  # CFG
     kv = 2 * cfg.n_layer * cfg.kv_heads * cfg.head_dim * (C + T + nodes + 2) * rows * 2  # bf16 K and V
     kv_d = 2 * dcfg.kv_heads * dcfg.head_dim * (T + 2 * nodes) * rows * 2
@@ -72,7 +73,7 @@ def estimate_world(name: str, world, params, gpu: str = "H200", tau: float = 2.5
     train = 2 * P + 16 * Pd + act + 2 * cfg.n_layer * tokens_step * cfg.dim * 2  # + target activations (no grad)
     t_fwd = 2 * P / (tbs * 1e12 * BW_EFFICIENCY) + cfg.n_layer * LAYER_OVERHEAD_S  # one target forward
     t_draft = 2 * Pd / (tbs * 1e12 * BW_EFFICIENCY) + LAYER_OVERHEAD_S
-    depth = max([m.depth for m in methods if m.drafts_tree] or [4])
+    depth = max([m.depth for m in methods if drafts_tree(m.method)] or [4])
     vanilla = T * t_fwd
     spec = T / tau * (t_fwd + depth * t_draft)
     flop = tflops * 1e12 * MFU

@@ -82,7 +82,7 @@ def shape_config(name: str, target_root: Optional[Path] = None, params=None) -> 
     if target_root is not None and side.is_file():
         return GPTConfig.from_dict(json.loads(side.read_text())["config"]), str(side)
     if params is not None and name in params.worlds:
-        return params.world(name).gpt_config(), f"params world {name}"
+        return gpt_config(**params.world(name).target), f"params world {name}"
     raise ValueError(f"regime: unknown shape {name!r}: not a GPT preset, no {side}, no such world in the params")
 
 

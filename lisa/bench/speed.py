@@ -23,6 +23,7 @@ from lisa.decoding.generate import compiled as compiled_model
 from lisa.decoding.methods import auto_tree, method_decoder, method_spec, resolve_auto
 from lisa.models.gpt import Transformer
 from lisa.decoding.sampling import SamplingConfig
+from lisa.decoding.verify import drafts_tree
 
 
 @torch.inference_mode()
@@ -191,7 +192,7 @@ def forward_size(m) -> int:
     nodes, or last + window."""
     if m.method == "vanilla":
         return 1
-    return method_spec(m).nodes + 1 if m.drafts_tree else m.window + 1
+    return method_spec(m).nodes + 1 if drafts_tree(m.method) else m.window + 1
 
 
 def breakdown_pass(target: Transformer, drafters: dict, decoders: dict, methods: list, conditions: list[dict],
@@ -343,16 +344,16 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
         for r in range(warmup):
             timed_pass(r)
         parts = breakdown_pass(target, drafters, decoders, methods, conditions, sampling, seed, device, bar)
-        calls = {m.name: parts[m.name]["drafter_calls"] / parts[m.name]["forwards"] if m.drafts_tree else 0.0
+        calls = {m.name: parts[m.name]["drafter_calls"] / parts[m.name]["forwards"] if drafts_tree(m.method) else 0.0
                  for m in methods}
         widths = {m.name: (getattr(m, "drafter", "release"),
                            max(1, math.ceil(method_spec(m).drafted_pairs / calls[m.name])))
-                  for m in methods if m.drafts_tree and drafter_of(m) is not None and calls[m.name] > 0}
+                  for m in methods if drafts_tree(m.method) and drafter_of(m) is not None and calls[m.name] > 0}
         bare_d = {w: [] for w in set(widths.values())}
         # compiled: the same bare forwards under torch.compile (the compiled loops' limit); first calls compile here.
         # A compiled row that drafts another tree than its eager one (auto) makes a drafter call per level
         ccalls = {n: calls[n] if method_spec(cm) == method_spec(methods_by[n]) else float(method_spec(cm).max_depth)
-                  for n, cm in cmethods.items() if cm.drafts_tree}
+                  for n, cm in cmethods.items() if drafts_tree(cm.method)}
         cwidth_of = {n: (getattr(cm, "drafter", "release"),
                          max(1, math.ceil(method_spec(cm).drafted_pairs / ccalls[n])))
                      for n, cm in cmethods.items() if n in ccalls and drafter_of(cm) is not None and ccalls[n] > 0}
@@ -377,7 +378,7 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
                     cbare_d[which, w].append(costmodel.time_drafter_forward(compiled_model(drafters[which]), rows, w,
                                                                             context, reps=3))
         # where one drafter step goes, per drafter the tree methods use, at the widths they draft (eager)
-        tree_ms = [m for m in methods if m.drafts_tree and drafter_of(m) is not None]
+        tree_ms = [m for m in methods if drafts_tree(m.method) and drafter_of(m) is not None]
         step = {which: drafter_step_parts(target, drafters[which], rows,
                                           sorted({1} | {w for (d, w) in widths.values() if d == which}), context,
                                           max(forward_size(m) for m in tree_ms))
@@ -413,13 +414,13 @@ def bench_speculative(target: Transformer, drafter, conditions: list[dict], meth
         target_per_forward = part["target_s"] / part["forwards"]
         s = forward_size(m)
         calls_per_round = calls[m.name]
-        limit = bare[s] + drafter_limit(m)
+        limit, tree = bare[s] + drafter_limit(m), drafts_tree(m.method)
         report_methods.append({
-            "name": m.name, "method": m.method, "tree": m.tree if m.drafts_tree else None,
-            "tree_desc": method_spec(m).describe() if m.drafts_tree else (f"window {m.window}" if m.method != "vanilla"
-                                                                    else "-"),
-            "draft": m.draft if m.drafts_tree else None, "siblings": m.siblings if m.drafts_tree else None,
-            "branching": list(m.branching) if m.drafts_tree else None,
+            "name": m.name, "method": m.method, "tree": m.tree if tree else None,
+            "tree_desc": (method_spec(m).describe() if tree
+                          else f"window {m.window}" if m.method != "vanilla" else "-"),
+            "draft": m.draft if tree else None, "siblings": m.siblings if tree else None,
+            "branching": list(m.branching) if tree else None,
             "depth": m.depth, "top_k_draft": m.top_k_draft, "total_tokens": m.total_tokens, "window": m.window,
             "options": dict(m.options), "auto": picked[m.name].as_dict() if m.name in picked else None,
             "ms_per_image": 1000 * wall / images,

@@ -28,7 +28,7 @@ import io
 import itertools
 import json
 import tarfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -40,7 +40,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from lisa.checkpoint import atomic_write, file_sha256, write_json
-from lisa.config import seed_for
+from lisa.config import LaionFilter, seed_for
 
 LAION_COCO_COLUMNS = ("URL", "TEXT", "top_caption", "all_captions", "all_similarities", "WIDTH", "HEIGHT",
                       "similarity", "hash", "pwatermark", "punsafe")
@@ -49,14 +49,6 @@ MANIFEST = "manifest.json"
 
 class CorpusError(ValueError):
     """A corpus source or a built corpus is missing, malformed or made for another model; the message names it."""
-
-
-@dataclass(frozen=True)
-class LaionFilter:
-    min_size: int = 32
-    max_punsafe: float = 0.5
-    max_pwatermark: float = 0.8
-    min_similarity: float = 0.0
 
 
 def corpus_schema(T: int, feat_len: Optional[int], prompt_len: Optional[int] = None) -> pa.Schema:

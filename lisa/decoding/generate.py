@@ -21,12 +21,13 @@ speculative tree's config (`SpecConfig`).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+from pydantic.dataclasses import dataclass
 from torch import Tensor
 
+from lisa.config import STRICT, DraftTree
 from lisa.decoding import jacobi, verify
 from lisa.decoding.draft import commit_accepted, commit_pairs, draft
 from lisa.decoding.fused import fused
@@ -83,25 +84,20 @@ def generate(model: Transformer, cond: Tensor, sampling: SamplingConfig, generat
 # Speculative decoding: draft a tree with the drafter, verify it with one target forward, keep what passes.
 
 
-@dataclass(frozen=True)
-class SpecConfig:
-    verifier: str = "exact"  # a name in lisa.decoding.verify.VERIFIERS
-    tree: str = "dynamic"  # "dynamic" (EAGLE-2/3) | "static" (fixed shape: lisa.decoding.tree.static_choices) | "chain"
-    depth: int = 4  # draft levels
-    top_k_draft: int = 4  # children per expanded node, nodes expanded per level (dynamic)
-    total_tokens: int = 16  # draft nodes kept after reranking (dynamic)
-    draft: str = "topk"  # "topk": siblings are the drafter's top-k | "sample": drawn from its q (lisa.decoding.tree)
-    siblings: str = "wor"  # sampled siblings: "wor" (without replacement) | "iid"
-    branching: tuple[int, ...] = ()  # sampled trees: children per node at each level, e.g. (3, 2, 1, 1)
+@dataclass(config=STRICT)
+class _Verifier:
+    verifier: str = "exact"  # a name in lisa.decoding.verify.VERIFIERS that verifies a drafter's trees
+
+
+@dataclass(config=STRICT)
+class SpecConfig(DraftTree, _Verifier):
+    """A drafter's tree as the loop reads it: the verifier, then the params' draft tree (lisa.config.DraftTree: its
+    fields, defaults and types), resolved (no "auto") and checked for what the loop can draft."""
 
     def __post_init__(self):
-        if self.tree not in ("dynamic", "static", "chain"):
-            raise ValueError(f"SpecConfig.tree must be 'dynamic', 'static' or 'chain', got {self.tree!r}")
-        if min(self.depth, self.top_k_draft, self.total_tokens) < 1:
-            raise ValueError(f"SpecConfig: depth, top_k_draft and total_tokens must be >= 1, got {self}")
-        if self.draft not in ("topk", "sample") or self.siblings not in ("iid", "wor"):
-            raise ValueError(f"SpecConfig: draft must be 'topk' or 'sample' and siblings 'iid' or 'wor', got "
-                             f"{self.draft!r}, {self.siblings!r}")
+        if self.tree == "auto":
+            raise ValueError("SpecConfig.tree must be 'dynamic', 'static' or 'chain': tree 'auto' is resolved by the "
+                             "cost model before decoding (lisa.decoding.methods.auto_tree)")
         if self.draft == "sample" and self.tree == "dynamic" and not self.branching:
             raise ValueError("sampled drafts need a shape fixed before drawing (a value-dependent rerank would bias "
                              "the draws): tree 'chain', 'static' (a node budget) or a `branching` list, not 'dynamic'")

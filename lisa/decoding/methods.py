@@ -44,10 +44,10 @@ def decoder_config(m: DecodeMethod) -> DecoderConfig:
     """The DecoderConfig of a params.yaml method."""
     if m.method == "vanilla":
         return DecoderConfig("vanilla", None, None, None, None, frozenset(), None)
-    reads, options = verify.reads(m.method), m.verifier_options()
+    reads, options, tree = verify.reads(m.method), verify.method_options(m), verify.drafts_tree(m.method)
     nearest = options.k if reads & {"neighbours", "calibration"} else None
-    return DecoderConfig(m.method, options, method_spec(m) if m.drafts_tree and m.tree != "auto" else None,
-                         None if m.drafts_tree else m.window, m.drafter if m.drafts_tree else None, reads, nearest)
+    return DecoderConfig(m.method, options, method_spec(m) if tree and m.tree != "auto" else None,
+                         None if tree else m.window, m.drafter if tree else None, reads, nearest)
 
 
 def geometry_reads(methods) -> frozenset:
@@ -103,13 +103,13 @@ def tree_spec(tree: DraftTree, verifier: str) -> SpecConfig:
     must be resolved first (`auto_tree`)."""
     if tree.tree == "auto":
         raise ValueError("tree 'auto' is resolved by the cost model before decoding (lisa.decoding.methods.auto_tree)")
-    return SpecConfig(verifier, tree.tree, tree.depth, tree.top_k_draft, tree.total_tokens, tree.draft, tree.siblings,
-                      tuple(tree.branching))
+    return SpecConfig(verifier, **{f.name: getattr(tree, f.name) for f in dataclasses.fields(DraftTree)}
+                      | {"branching": list(tree.branching)})
 
 
 def method_spec(m: DecodeMethod) -> Optional[SpecConfig]:
     """The SpecConfig of a tree-verified method, None for vanilla / sjd / gsd."""
-    return tree_spec(m, m.method) if m.drafts_tree else None
+    return tree_spec(m, m.method) if verify.drafts_tree(m.method) else None
 
 
 def method_decoder(m: DecodeMethod, target: Transformer, drafter=None, geometry=None, measure: bool = False,
@@ -118,8 +118,8 @@ def method_decoder(m: DecodeMethod, target: Transformer, drafter=None, geometry=
     (tokens, stats) (compile: the forwards under torch.compile). drafter: a drafter, or {"release" | "lid":
     drafter} of which the method's is taken; geometry: `method_geometry`'s (any of the methods' it decodes)."""
     if isinstance(drafter, Mapping):
-        drafter = drafter.get(m.drafter) if m.drafts_tree else None
-    return decoder(target, m.method, drafter, method_spec(m), m.window, geometry, m.verifier_options(), measure,
+        drafter = drafter.get(m.drafter) if verify.drafts_tree(m.method) else None
+    return decoder(target, m.method, drafter, method_spec(m), m.window, geometry, verify.method_options(m), measure,
                    compile)
 
 
@@ -170,7 +170,7 @@ def auto_tree(target: Transformer, drafter, conditions: list[dict], m, sampling:
             t0 = time.perf_counter()
             _, stats = speculative_generate(target, drafter, c["cond"], sampling, spec, gen,
                                             cond_mask=c.get("cond_mask"), geometry=geometry,
-                                            options=m.verifier_options(), trace=rounds if traced and r else None,
+                                            options=verify.method_options(m), trace=rounds if traced and r else None,
                                             compile=compile)
             sync(device)
             if r:

@@ -7,35 +7,16 @@ Sampling takes an explicit `torch.Generator` and makes no host sync (the exponen
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from lisa.config import Sampling
 
-@dataclass(frozen=True)
-class SamplingConfig:
-    temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-    cfg_scale: float = 1.0  # 1 = no guidance (the unconditional half is not even computed)
 
-    def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-
-    @property
-    def use_cfg(self) -> bool:
-        return self.cfg_scale != 1.0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+SamplingConfig = Sampling  # the one type of the sampling rule: params.yaml's (lisa.config)
 
 
 def sampling_config(world, section) -> SamplingConfig:

@@ -33,8 +33,9 @@ Each verifier's registry entry (`VERIFIERS`, at the end) names its function, a f
 (LanternOptions, GSDOptions, GASVOptions, PACOptions; NoOptions for greedy / exact / sjd), the only place their
 defaults live, and what it needs: a drafter's trees or a Jacobi window (`drafts`), and what it reads of the
 codebook geometry (`reads`: the codebook, a neighbour table, a calibration), which the rest of lisa reads from
-here (lisa.decoding.methods builds the geometry from it). `verifier_options(name, dict)` checks a mapping of knobs
-against its dataclass (an unknown key is a ValueError naming the verifier and the keys it allows).
+here (lisa.decoding.methods builds the geometry from it), and the knobs the results table names (`shown`).
+`verifier_options(name, dict)` checks a mapping of knobs against its dataclass (an unknown key is a ValueError
+naming the verifier and the keys it allows).
 
 Where it lives: the walks and the knobs' typing in lisa.decoding.walk, the relaxed verifiers (lantern, gsd, gasv)
 and the codebook geometry in lisa.decoding.relaxed; here the exact verifiers (greedy, exact), the drafter-free
@@ -182,6 +183,7 @@ class Verifier(NamedTuple):
     # what it reads of the codebook geometry (VerifyContext.geometry): "codebook" (the code vectors), "neighbours"
     # (a table of each code's nearest codes, its option k wide), "calibration" (GASV's, its option k wide)
     reads: frozenset = frozenset()
+    shown: tuple[str, ...] = ()  # the knobs (params.yaml keys) a results-table cell names, in order
 
 
 def _entry(name: str) -> Verifier:
@@ -197,6 +199,12 @@ def get_verifier(name: str) -> VerifierFn:
 def is_jacobi(name: str) -> bool:
     """Whether verifier `name` runs drafter-free on Jacobi windows (sjd, gsd) rather than on a drafter's trees."""
     return _entry(name).drafts == "jacobi"
+
+
+def drafts_tree(name: str) -> bool:
+    """Whether method `name` verifies a drafter's trees (and so needs a drafter and a SpecConfig): a verifier whose
+    entry drafts "tree"; vanilla and the Jacobi verifiers do not."""
+    return name != "vanilla" and _entry(name).drafts == "tree"
 
 
 def reads(name: str) -> frozenset:
@@ -220,14 +228,19 @@ def verifier_options(name: str, options: Optional[Mapping[str, float]] = None):
     return typed_options(name, _entry(name).options, options)
 
 
+def method_options(m):
+    """The typed options of a params.yaml method (lisa.config.DecodeMethod) for its verifier; None for vanilla."""
+    return None if m.method == "vanilla" else verifier_options(m.method, m.options)
+
+
 VERIFIERS: dict[str, Verifier] = {
     "greedy": Verifier(greedy, NoOptions, "tree"),
     "exact": Verifier(exact, NoOptions, "tree"),
-    "lantern": Verifier(lantern, LanternOptions, "tree", frozenset({"neighbours"})),
+    "lantern": Verifier(lantern, LanternOptions, "tree", frozenset({"neighbours"}), ("k", "delta")),
     "sjd": Verifier(sjd, NoOptions, "jacobi"),
     "sjd-pac": Verifier(sjd_pac, PACOptions, "jacobi"),
     "scd-mc": Verifier(scd_mc, NoOptions, "jacobi"),
     "scd-gumbel": Verifier(scd_gumbel, NoOptions, "jacobi"),
     "gsd": Verifier(gsd, GSDOptions, "jacobi", frozenset({"codebook"})),
-    "gasv": Verifier(gasv, GASVOptions, "tree", frozenset({"calibration"})),
+    "gasv": Verifier(gasv, GASVOptions, "tree", frozenset({"calibration"}), ("kappa", "lambda", "k")),
 }

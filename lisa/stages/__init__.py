@@ -13,8 +13,9 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Optional
 
-from lisa.config import ConfigError, load_params
+from lisa.config import ConfigError
 from lisa.stages import bench, build, corpora, drafter, inputs, quality, report, sample, scoreboard
+from lisa.stages.params import load_params
 from lisa.stages.paths import Call, SharedPaths, Stage, WorldPaths
 
 STAGES: dict[str, Stage] = (build.STAGES | sample.STAGES | quality.STAGES | drafter.STAGES | corpora.STAGES

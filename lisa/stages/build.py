@@ -16,9 +16,9 @@ from lisa.config import (BuildDatasetParams, ConfigError, EncodeParams, InitTarg
                          TrainTargetParams, TrainTokenizerParams, WorldParams)
 from lisa.data import datasets as data
 from lisa.data.identity import write_identity
-from lisa.models.gpt import Transformer, grammar_grid, square_image_grammar
+from lisa.models.gpt import Transformer, gpt_config, grammar_grid, square_image_grammar
 from lisa.models.llamagen import import_llamagen_gpt, import_llamagen_vq, load_target, load_tokenizer
-from lisa.models.vq import VQModel
+from lisa.models.vq import VQModel, vq_config
 from lisa.stages.common import caption_encoder, load_codes, load_images, text_conditions
 from lisa.stages.paths import Stage, WorldPaths
 from lisa.training.loops import evaluate_vq, heldout_nll, train_gpt, train_vq
@@ -50,7 +50,7 @@ def _config_diff(want, got, keys) -> dict:
 def _import_chameleon(world: WorldParams):
     from lisa.models.lumina import LuminaGrammar, import_chameleon
 
-    want = world.gpt_config()
+    want = gpt_config(**world.target)
     grammar = LuminaGrammar(codebook_size=want.free_vocab, max_grid=want.vocab_size - want.free_vocab - 4)
     model = import_chameleon(world.target_checkpoint, image_size=16 * grammar_grid(want.block_size),
                              prompt_len=want.cls_token_num, grammar=grammar)
@@ -62,12 +62,12 @@ def _import_chameleon(world: WorldParams):
 
 
 def _import_llamagen(world: WorldParams):
-    vq = world.vq_config()
+    vq = vq_config(**world.tokenizer)
     # the vocabulary comes from the file and the grid from the image size; checked against the world below
     overrides = {k: v for k, v in world.target.items() if k not in ("preset", "vocab_size", "block_size")}
     model = import_llamagen_gpt(world.target_checkpoint, world.target.get("preset"), vq.image_size, vq.downsample,
                                 **overrides)
-    diff = _config_diff(world.gpt_config(), model.config, [k for k in ("vocab_size", "block_size")
+    diff = _config_diff(gpt_config(**world.target), model.config, [k for k in ("vocab_size", "block_size")
                                                            if k in world.target])  # the ones the world names
     if diff:
         raise CheckpointError(f"{world.target_checkpoint}: differs from worlds.<world>.target (params, checkpoint "
@@ -86,7 +86,7 @@ def init_target(world: WorldParams, p: InitTargetParams, paths: WorldPaths) -> d
     elif world.target_checkpoint:
         model = _import_llamagen(world)
     else:
-        model = Transformer(world.gpt_config())
+        model = Transformer(gpt_config(**world.target))
     return _save_initial(model, paths.target_file, "gpt", p.seed, world.target_checkpoint)
 
 
@@ -96,12 +96,13 @@ def init_tokenizer(world: WorldParams, p: InitTokenizerParams, paths: WorldPaths
     if world.tokenizer_checkpoint and world.target.get("arch") == "chameleon":  # Lumina-mGPT: Chameleon's VQGAN
         from lisa.models.lumina import import_chameleon_vq
 
-        model = import_chameleon_vq(world.tokenizer_checkpoint, 16 * grammar_grid(world.gpt_config().block_size))
+        grid = grammar_grid(gpt_config(**world.target).block_size)
+        model = import_chameleon_vq(world.tokenizer_checkpoint, 16 * grid)
     elif world.tokenizer_checkpoint:
         overrides = {k: v for k, v in world.tokenizer.items() if k != "preset"}
         model = import_llamagen_vq(world.tokenizer_checkpoint, world.tokenizer.get("preset", "VQ-16"), **overrides)
     else:
-        model = VQModel(world.vq_config())
+        model = VQModel(vq_config(**world.tokenizer))
     return _save_initial(model, paths.tokenizer_file, "vq", p.seed, world.tokenizer_checkpoint)
 
 
@@ -141,7 +142,7 @@ def train_tokenizer(world: WorldParams, p: TrainTokenizerParams, paths: WorldPat
         write_json(paths.tokenizer_report, metrics)
         return metrics | {"sha256": info["sha256"]}
     torch.manual_seed(p.seed)
-    model = VQModel(world.vq_config())
+    model = VQModel(vq_config(**world.tokenizer))
     metrics = train_vq(model, train_u8, test_u8, p, paths.tokenizer_work)
     meta = save_artifact(model, paths.tokenizer_file, "vq", model.config, step=p.steps, seed=p.seed,
                          made_from={"dataset": str(paths.dataset_dir)}, extra={"metrics": metrics})
@@ -177,7 +178,7 @@ def encode(world: WorldParams, p: EncodeParams, paths: WorldPaths) -> dict:
     """VQ codes of every image, with its class, and (t2i) per-token caption features of every distinct caption."""
     vq, vq_meta = load_tokenizer(paths.tokenizer_file)
     _, _, ds = load_images(paths.dataset_dir, paths.dataset_identity)
-    cfg = world.gpt_config()
+    cfg = gpt_config(**world.target)
     tensors, captions = {}, sorted(set(ds["train"]["caption"]) | set(ds["test"]["caption"]))
     index = {c: i for i, c in enumerate(captions)}
     for split in ("train", "test"):
@@ -203,7 +204,7 @@ def train_target(world: WorldParams, p: TrainTargetParams, paths: WorldPaths) ->
     """Train the world's target GPT on its VQ codes; resumable (target_work/resume.pt). Held-out NLL per token.
     A world with a `target_checkpoint` (the real profile) imports it instead (init_target), and reports the
     imported target's held-out NLL on these codes."""
-    cfg = world.gpt_config()
+    cfg = gpt_config(**world.target)
     d = load_codes(paths.codes_file, cfg.model_type)
     if world.target_checkpoint:
         info = init_target(world, InitTargetParams(seed=p.seed), paths)

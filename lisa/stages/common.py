@@ -15,6 +15,7 @@ from lisa.data import datasets as data
 from lisa.data.identity import check_identity
 from lisa.data.text import CaptionEncoder
 from lisa.decoding.methods import geometry_reads, method_geometry
+from lisa.decoding.verify import drafts_tree
 from lisa.models.gpt import grammar_grid, square_image_grammar
 from lisa.models.llamagen import load_drafter
 from lisa.quality import judges
@@ -187,10 +188,10 @@ def method_resources(methods, target, target_meta: dict, vq, paths: WorldPaths, 
 
     out = {}
     files = {"release": paths.drafter_file, "lid": paths.lid_drafter_file}
-    for which in sorted({m.drafter for m in methods if m.drafts_tree}):
+    for which in sorted({m.drafter for m in methods if drafts_tree(m.method)}):
         path = files.get(which)
         if path is None or not Path(path).is_file():
-            users = [getattr(m, "name", m.method) for m in methods if m.drafter == which and m.drafts_tree]
+            users = [getattr(m, "name", m.method) for m in methods if m.drafter == which and drafts_tree(m.method)]
             raise FileNotFoundError(f"methods {users} need the {which} drafter: {path} not found "
                                     f"({'`lisa train-drafter`' if which == 'release' else '`lisa ablate-lid`'})")
         out[which] = load_drafter(path, target_meta)

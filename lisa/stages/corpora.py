@@ -15,6 +15,7 @@ from lisa.checkpoint import read_state_dict, write_json
 from lisa.config import CorporaParams, SelfGeneratedParams, WorldParams
 from lisa.data.identity import check_identity, write_identity
 from lisa.decoding.sampling import sampling_config
+from lisa.models.gpt import gpt_config
 from lisa.models.llamagen import load_target, load_tokenizer
 from lisa.stages.common import caption_cond, caption_encoder
 from lisa.stages.paths import Call, SharedPaths, Stage, WorldPaths
@@ -41,12 +42,12 @@ def build_laion_coco(world: WorldParams, p: CorporaParams, paths: WorldPaths, sh
     """The laion-coco corpus (lisa.data.corpus.build_laion_coco) of `p.laion_metadata` / `p.laion_images`, with the
     tokenizer and caption encoder of the world `p.laion_world` (`world`, `paths`). A source whose files differ from
     `identity` (lisa/data/identity.py) is refused; None: not checked."""
-    from lisa.data.corpus import LaionFilter, build_laion_coco as build
+    from lisa.data.corpus import build_laion_coco as build
 
     if identity is not None:
         check_identity(identity, metadata=p.laion_metadata, images=p.laion_images)
     vq, vq_meta = load_tokenizer(paths.tokenizer_file)
-    cfg = world.gpt_config()
+    cfg = gpt_config(**world.target)
     if cfg.model_type == "lm":
         raise ValueError("corpora.laion_world: Lumina-mGPT (lm) drafters train on the target's own samples "
                          "(build-self-generated), not on LAION-COCO; name a LlamaGen world")
@@ -54,7 +55,7 @@ def build_laion_coco(world: WorldParams, p: CorporaParams, paths: WorldPaths, sh
         raise ValueError(f"corpora.laion_world: a laion-coco corpus is for a text-to-image world, not {cfg.model_type}")
     metadata = Path(p.laion_metadata)
     files = sorted(metadata.glob("*.parquet")) if metadata.is_dir() else [metadata]
-    flt = LaionFilter(p.min_size, p.max_punsafe, p.max_pwatermark, p.min_similarity)
+    flt = p.laion_filter()
     m = build(files, Path(p.laion_images), vq, vq_meta["sha256"], caption_encoder(world), cfg.cls_token_num, flt,
               shared.laion_dir, p.shard_size)
     metrics = {"sequences": m["rows"], "bytes": m["bytes"], "counts": m["counts"], "filter": m["filter"]}

@@ -11,11 +11,11 @@ modules (lisa/stages/common.py, lisa/data/corpus.py) import for some of their fu
   module's file counts when one of its names is walked. Modules outside lisa/ are not followed.
 - A class brings its class-level code, its dunder and decorated methods (constructor, properties, validators), and
   the methods named by any attribute read in walked code (not counting `self.x` outside the class's module). The
-  params' classes (lisa/config.py, lisa/sections.py) count as used by every stage: `world.gpt_config()` and
-  `m.verifier_options()` reach their methods by name.
+  params' classes (lisa/config.py, lisa/sections.py) count as used by every stage: `p.laion_filter()` or
+  `fam.points()` reach their methods by name.
 - lisa/config.py, lisa/sections.py and lisa/stages/paths.py are deps of every stage: run_stage loads the params and
-  builds the paths of each call. Loading the params (validators that check names against the decoding registry and the model
-  presets) is the same for every stage and is not walked.
+  builds the paths of each call. Loading the params (lisa/stages/params.py: the checks against the verifier registry
+  and the model presets) is the same for every stage and is not walked.
 - Package __init__.py files are never deps: in lisa/ they hold a docstring and re-exports only, and
   lisa/stages/__init__.py, the dispatcher, is the way into every stage, like lisa/cli.py. No module of lisa/ runs
   top-level code beyond definitions and imports (which a walk by name would miss): tests/test_stage_deps.py pins both.

@@ -117,7 +117,6 @@ def ablate_lid(world: WorldParams, train_p: TrainDrafterParams, p: AblateLIDPara
                paths: WorldPaths) -> dict:
     """LID vs the baseline loss, same data (the logit cache), steps and seed: two drafters, then the acceptance
     length tau of each under `exact` verification on the same conditions and seeds."""
-    from lisa.training.distill import LIDConfig
     from lisa.training.drafter import new_drafter, train_drafter as train
 
     target, target_meta = load_target(paths.target_file)
@@ -125,7 +124,7 @@ def ablate_lid(world: WorldParams, train_p: TrainDrafterParams, p: AblateLIDPara
     lc = cache.open_cache(paths.cache_dir, target_meta["sha256"], paths.cache_identity)
     d = load_codes(paths.codes_file, target.config.model_type)
     tp = dataclasses.replace(train_p, steps=p.steps)
-    lid = (target_codebook(vq, target.config), LIDConfig(**dataclasses.asdict(p.lid)))
+    lid = (target_codebook(vq, target.config), p.lid)
     cond = _conditions(world, target, sample_p, p.per_class)
     sampling = sampling_config(world, p)  # the world's own values over the section's
     spec = tree_spec(p, "exact")
@@ -216,12 +215,12 @@ def ablate_arch(world: WorldParams, train_p: TrainDrafterParams, p: AblateArchPa
 def calibrate(p: CalibrateParams, paths: WorldPaths) -> dict:
     """GASV's calibration of a target checkpoint from its output head, its codebook and its logit cache
     -> calibration_dir/calibration.{safetensors,json} (the JSON records the target's sha256)."""
-    from lisa.training.calibrate import CalibrateConfig, calibrate as fit, save_calibration
+    from lisa.training.calibrate import calibrate as fit, save_calibration
 
     model, target_meta = load_target(paths.target_file)
     vq, vq_meta = load_tokenizer(paths.tokenizer_file)
     lc = cache.open_cache(paths.cache_dir, target_meta["sha256"], paths.cache_identity)
-    cal = fit(model.output.weight, target_codebook(vq, model.config), lc, CalibrateConfig(**dataclasses.asdict(p)),
+    cal = fit(model.output.weight, target_codebook(vq, model.config), lc, p,
               {"target": str(paths.target_file), "target_sha256": target_meta["sha256"],
                "tokenizer": str(paths.tokenizer_file), "tokenizer_sha256": vq_meta["sha256"],
                "cache": str(paths.cache_dir)})

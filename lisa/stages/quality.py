@@ -18,6 +18,8 @@ from lisa.config import EvaluateParams, QualityParams, TableParams, TrainJudgePa
 from lisa.data import datasets as data
 from lisa.decoding.methods import method_decoder
 from lisa.decoding.sampling import sampling_config
+from lisa.decoding.verify import drafts_tree
+from lisa.models.gpt import gpt_config
 from lisa.models.llamagen import load_target, load_tokenizer
 from lisa.quality import fid, judges
 from lisa.quality import metrics as quality
@@ -38,7 +40,7 @@ def fid_reference(world: WorldParams, p: QualityParams, paths: WorldPaths) -> di
     floor), vs VQ reconstructions, vs a unigram baseline. Resumable per set (quality_work)."""
     train_u8, test_u8, _ = load_images(paths.dataset_dir, paths.dataset_identity)
     vq, vq_meta = load_tokenizer(paths.tokenizer_file)
-    cfg = world.gpt_config()
+    cfg = gpt_config(**world.target)
     vq = image_tokenizer(vq, cfg)  # lm targets: the grammar is dropped before decoding
     codes = read_state_dict(paths.codes_file)
     # cached sets are only reused by a run of the same tokenizer, dataset and settings
@@ -72,7 +74,7 @@ def train_judge(world: WorldParams, p: TrainJudgeParams, paths: WorldPaths) -> d
     """Train the world's judge on its real training images: a classifier (c2i) or a small CLIP (t2i)."""
     train_u8, test_u8, ds = load_images(paths.dataset_dir, paths.dataset_identity)
     classes = ds["train"].features["label"].names
-    kind = "classifier" if world.gpt_config().model_type == "c2i" else "clip"
+    kind = "classifier" if gpt_config(**world.target).model_type == "c2i" else "clip"
     config = judges.JudgeConfig(kind, image_size=train_u8.shape[-1], num_classes=len(classes), width=p.width,
                                 layers=p.layers, patch_size=p.patch_size, classifier_width=p.classifier_width,
                                 embed_dim=p.embed_dim, context_length=p.context_length)
@@ -182,7 +184,7 @@ def _method_decoder(s: _Scored, m, p: TableParams, paths: WorldPaths, manifest: 
     torch.compile. manifest: the method's method-inputs manifest, which what is loaded must match
     (lisa.stages.inputs.check_inputs)."""
     res = method_resources([m], s.model, s.target_meta, s.vq, paths, quality_neighbours(s.model.config))
-    check_inputs(manifest, res.drafter_sha.get(m.drafter) if m.drafts_tree else None, res.calibration_sha)
+    check_inputs(manifest, res.drafter_sha.get(m.drafter) if drafts_tree(m.method) else None, res.calibration_sha)
     decode = method_decoder(m, s.model, res.modules, res.geometry, measure=m.method != "vanilla", compile=p.compile)
     return decode, res
 

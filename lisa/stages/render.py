@@ -10,6 +10,7 @@ from lisa.checkpoint import atomic_write
 from lisa.data import datasets as data
 from lisa.data.images import grid_image
 from lisa.decoding.methods import method_spec
+from lisa.decoding.verify import VERIFIERS, drafts_tree, method_options, option_keys
 from lisa.quality import metrics as quality
 
 
@@ -118,19 +119,17 @@ def scoreboard_plot(world: str, fams: dict[str, dict], points: dict[str, dict], 
 
 
 def describe_cell(c) -> str:
-    """A table cell's settings in a few words: window, or tree and verifier knobs."""
+    """A table cell's settings in a few words: window, or tree and the verifier's knobs its registry entry shows."""
     if c.method == "vanilla":
         return "-"
-    if not c.drafts_tree:
+    if not drafts_tree(c.method):
         return f"window {c.window}"
-    o = c.verifier_options()
+    o = method_options(c)
     tree = (method_spec(c).describe() if c.draft == "sample" else
             f"{c.tree} d{c.depth} top-{c.top_k_draft} {c.total_tokens} nodes")
-    if c.method == "lantern":
-        tree += f", k {o.k:g}, delta {o.delta:g}"
-    if c.method == "gasv":
-        tree += f", kappa {o.kappa:g}, lambda {o.lambda_:g}, k {o.k:g}"
-    return tree + (", LID drafter" if c.drafter == "lid" else "")
+    keys = option_keys(type(o))  # params.yaml key -> the options' field
+    knobs = "".join(f", {key} {getattr(o, keys[key].name):g}" for key in VERIFIERS[c.method].shown)
+    return tree + knobs + (", LID drafter" if c.drafter == "lid" else "")
 
 
 def ablation_markdown(results: dict, spec, sampling, steps: int, conditions: int, ratio: float) -> list[str]:

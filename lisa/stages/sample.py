@@ -15,7 +15,7 @@ from lisa.data import datasets as data
 from lisa.data.images import grid_image
 from lisa.decoding.methods import auto_tree, method_decoder, resolve_auto
 from lisa.decoding.sampling import SamplingConfig, sampling_config
-from lisa.decoding.verify import VERIFIERS
+from lisa.decoding.verify import VERIFIERS, drafts_tree
 from lisa.models.llamagen import load_target, load_tokenizer
 from lisa.quality.premise import premise_stats
 from lisa.stages.common import (check_pair, class_names, load_codes, method_resources, target_codebook,
@@ -91,7 +91,7 @@ def _decoder(model, vq, target_meta: dict, p: SampleParams, paths: WorldPaths, c
     the drafter and geometry it reads, its neighbour table `p.neighbours` wide. With p.tree "auto", the cost model
     picks depth and total_tokens from decoding the conditions `calib` on this machine (recorded in `auto`)."""
     res = method_resources([p], model, target_meta, vq, paths, p.neighbours)
-    if p.tree == "auto" and p.drafts_tree:
+    if p.tree == "auto" and drafts_tree(p.method):
         sampling = SamplingConfig(p.temperature, p.top_k, p.top_p, p.cfg_scale)  # as before: not the world's
         choice = auto_tree(model, res.modules[p.drafter], [{"label": "calibration", "cond": calib}], p, sampling,
                            p.seed, res.geometry, AutoTreeParams(calib_conditions=1))

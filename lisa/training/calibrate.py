@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from lisa.checkpoint import atomic_write, file_sha256, read_json, write_json
+from lisa.config import CalibrateParams
 
 CALIBRATION_FILE = "calibration.safetensors"
 CALIBRATION_VERSION = "1"
@@ -38,15 +39,7 @@ class CalibrationError(ValueError):
     """A calibration that does not fit the target it is used with (or is not a calibration)."""
 
 
-@dataclass
-class CalibrateConfig:
-    clusters: int = 64  # k-means clusters of the whitened head rows
-    budget_quantile: float = 0.5  # beta_c: this quantile of the drift over the calibration pass
-    min_count: int = 256  # fewer drifts in a cluster: use the global quantile
-    positions: int = 65536  # calibration-pass positions read from the cache (conditional rows)
-    neighbours: int = 64  # nearest codes per code (neighbour table)
-    eps: float = 1e-6
-    seed: int = 0
+CalibrateConfig = CalibrateParams  # the one type of the calibration's settings: params.yaml's `calibrate` (lisa.config)
 
 
 @dataclass

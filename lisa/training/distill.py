@@ -20,7 +20,7 @@ Per position (b, t), with the target's cached top-K (lisa.training.cache: ids, l
        L_CE = sum w * (-sum_{v in S} p~t(v) log p_s(v)) / sum w, S = the target's kernel set: the fewest top tokens
               holding `kernel_p` of its probability (within the cached top-K), p~t renormalised on S;
        L_KD = tau_s^2 * sum w * KL(p~t || p~s on J) / sum w.
-Every constant is a field of LIDConfig (params.yaml `lid`). The baseline EAGLE-3 loss (soft CE to the full target
+Every constant is a field of LIDConfig (lisa.config; params.yaml `ablate_lid.lid`). The baseline EAGLE-3 loss (soft CE to the full target
 distribution) stays in lisa.training.drafter.soft_ce.
 """
 from __future__ import annotations
@@ -31,20 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-
-@dataclass(frozen=True)
-class LIDConfig:
-    top_kc: int = 8  # target tokens forming the centroid
-    radius: float = 0.3  # cosine distance of the neighbourhood
-    quantile: float = 0.5  # dynamic threshold: positions with s >= this quantile of the batch (and s > 0)
-    joint_k: int = 16  # top-K of each distribution in the joint set J
-    tau_s: float = 1.0  # softening temperature of the gate and of L_KD
-    kernel_p: float = 0.9  # target kernel (nucleus) set of the truncated CE
-    w_base: float = 1.0  # weight of every position
-    w_sel: float = 1.0  # extra weight of a selected position, times the gate
-    veto_steps: int = 200  # the veto exponent ramps 0 -> 1 over these training steps
-    lambda_ce: float = 1.0
-    lambda_kd: float = 1.0
+from lisa.config import LIDConfig
 
 
 @dataclass
