@@ -55,6 +55,9 @@ def test_identity_files_follow_the_default_folders_only():
     moved = WorldPaths.of("w", cache_dir="c")
     assert moved.cache_identity is None and moved.dataset_identity is not None
     assert SharedPaths.of(fixture_dir="f").fixture_identity is None
+    # dvc.yaml names the default folders explicitly (`--out data/datasets/w`): the same folder keeps its identity
+    assert str(WorldPaths.of("w", dataset_dir="data/datasets/w").dataset_identity) == "data/identity/datasets/w.json"
+    assert SharedPaths.of(fixture_dir="data/corpora/laion-coco-fixture").fixture_identity is not None
 
 
 def test_a_fresh_clone_dry_runs(tmp_path, monkeypatch):

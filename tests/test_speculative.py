@@ -197,7 +197,7 @@ def test_sample_stage_takes_a_method(tmp_path):
     m = sample(world, dataclasses.replace(p.sample, method="exact", tree="auto"),
                dataclasses.replace(paths, samples_dir=tmp_path / "auto"))
     assert m["auto_tree"]["depth"] >= 1 and "predicted" in m["auto_tree"]["why"]
-    with pytest.raises(ValueError, match="not 'vanilla' nor a verifier"):
+    with pytest.raises(ValueError, match="unknown verifier 'magic'"):
         sample(world, dataclasses.replace(p.sample, method="magic"),
                dataclasses.replace(paths, samples_dir=tmp_path / "x"))
 

@@ -13,12 +13,15 @@ def _build(cls, folders: dict[str, Path], files: dict[str, tuple[str, str]], ove
            identities: Optional[dict[str, str]] = None):
     """cls(**folders, **files) with `overrides` replacing fields; a replaced folder moves the files in it
     (`files`: field -> (its folder's field, file name)) unless the file is replaced too, and drops its identity file
-    (`identities`: field -> its folder's field; lisa/data/identity.py) unless that is replaced too: a folder named by
-    hand is not the one the pipeline's identity file describes."""
+    (`identities`: field -> its folder's field; lisa/data/identity.py) unless that is replaced too or the replacement
+    is the same folder (dvc.yaml names the default folders explicitly): a folder named by hand elsewhere is not the
+    one the pipeline's identity file describes."""
     unknown = set(overrides) - {f.name for f in fields(cls)}
     if unknown:
         raise TypeError(f"{cls.__name__}: no fields {sorted(unknown)}")
-    folders = folders | {k: None for k, d in (identities or {}).items() if d in overrides}
+    moved = {d for d in overrides if d in folders and overrides[d] is not None
+             and Path(overrides[d]).resolve() != Path(folders[d]).resolve()}
+    folders = folders | {k: None for k, d in (identities or {}).items() if d in moved and k not in overrides}
     folders = folders | {k: Path(v) if v is not None else None for k, v in overrides.items() if k not in files}
     return cls(**folders, **{k: Path(overrides[k]) if k in overrides else folders[d] / name
                              for k, (d, name) in files.items()})
