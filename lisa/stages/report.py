@@ -100,7 +100,7 @@ def _headline_lines(w: str, board: dict, head: dict) -> list[str]:
     for b, k in zip(board["budgets"], keys):
         lead = head["leaders"][k]
         fmt = lambda m: "-" if lead[m] is None else (  # noqa: E731
-            f"{lead[m]} ({head['rows'][lead[m]][k][m if m != 'tau' else 'tau']:.2f}{'' if m == 'tau' else 'x'})")
+            f"{lead[m]} ({head['rows'][lead[m]][k][m]:.2f}{'' if m == 'tau' else 'x'})")
         lines.append(f"| <= {b:g} | {fmt('tau')} | {fmt('eager')} | {fmt('compiled')} |")
     g = head["goals"]
     said = []
