@@ -37,13 +37,13 @@ def methods(node: Any, loc: tuple[str, ...] = ()) -> Iterator[tuple[str, DecodeM
 def check_params(params: Params, source: str = "params.yaml") -> Params:
     """params, or a ConfigError naming the file, section and key of what the code rejects."""
     for name, world in params.worlds.items():
-        for section, build in (("target", lambda: gpt_config(**world.target)),
-                               ("tokenizer", lambda: vq_config(**world.tokenizer))):
+        built = {}
+        for section, build, kw in (("target", gpt_config, world.target), ("tokenizer", vq_config, world.tokenizer)):
             try:
-                build()
+                built[section] = build(**kw)
             except (ValueError, TypeError) as e:
                 raise ConfigError(f"{source}: section 'worlds.{name}.{section}': {e}") from None
-        g, v = gpt_config(**world.target), vq_config(**world.tokenizer)
+        g, v = built["target"], built["tokenizer"]
         small = {k: getattr(g, k) for k in ("n_layer", "n_head", "dim", "vocab_size", "block_size") if getattr(g, k) < 1}
         if small:
             raise ConfigError(f"{source}: section 'worlds.{name}.target': sizes must be >= 1, got {small}")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -116,6 +117,13 @@ def scoreboard_plot(world: str, fams: dict[str, dict], points: dict[str, dict], 
     if "fid" in floor:
         b.legend(fontsize=7)
     return _figure_writer(fig)
+
+
+def leaders(cells: dict[str, dict]) -> dict[str, Optional[str]]:
+    """Who leads at one TV budget: per metric (tau, eager, compiled), the name in `cells` (name -> {metric: value})
+    with the highest value; a missing or None value does not compete; the first of equals wins."""
+    return {m: max((n for n, c in cells.items() if c.get(m) is not None), key=lambda n: cells[n][m], default=None)
+            for m in ("tau", "eager", "compiled")}
 
 
 def describe_cell(c) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 from lisa.checkpoint import atomic_write_all, json_writer, write_json
 from lisa.config import TableParams
 from lisa.stages.paths import SharedPaths, Stage, WorldPaths
-from lisa.stages.render import describe_cell, lines_writer, pareto_plot
+from lisa.stages.render import describe_cell, leaders, lines_writer, pareto_plot
 
 
 def _header(p: TableParams) -> list[str]:
@@ -55,12 +55,8 @@ def headline(board: dict, p: TableParams) -> dict:
                                              "compiled": (c["timed"] or {}).get("compiled")}
         row["indistinguishable"] = r["indistinguishable"]
         rows[lisa.get(f, f)] = row
-    leaders = {}
-    for k in keys:
-        live = {n: r[k] for n, r in rows.items() if r["family"] != "vanilla" and r[k]}
-        leaders[k] = {m: max((n for n in live if live[n][m] is not None), key=lambda n: live[n][m], default=None)
-                      for m in ("tau", "eager", "compiled")}
-    return {"rows": rows, "leaders": leaders, "goals": _goals(rows, keys)}
+    lead = {k: leaders({n: r[k] for n, r in rows.items() if r["family"] != "vanilla" and r[k]}) for k in keys}
+    return {"rows": rows, "leaders": lead, "goals": _goals(rows, keys)}
 
 
 def _goals(rows: dict, keys: list[str]) -> dict:

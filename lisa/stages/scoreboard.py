@@ -35,7 +35,7 @@ from lisa.quality import metrics as quality
 from lisa.stages.common import load_images
 from lisa.stages.paths import Stage, WorldPaths
 from lisa.stages.quality import _method_decoder, _scored, decode_conditions
-from lisa.stages.render import lines_writer, scoreboard_plot
+from lisa.stages.render import leaders, lines_writer, scoreboard_plot
 
 LOSSLESS_TV = 1e-4  # a measured mean TV below this: the method kept the target's distribution (float error)
 
@@ -264,14 +264,10 @@ def _markdown(world: str, p: ScoreboardParams, fams: dict, rows: dict, points: d
     lines += ["", "Who leads at each budget (lossless rows at every budget; speedups of the same bench-spec run):", "",
               "| TV budget | highest tau | fastest eager | fastest compiled |", "|---|---|---|---|"]
     for b in p.budgets:
-        cells = [(f, r[f"tv<={b:g}"]) for f, r in rows.items() if f != "vanilla" and r[f"tv<={b:g}"]]
-        lead = []
-        for key in ("tau", "eager", "compiled"):
-            def val(c, key=key):
-                return c[1]["tau"] if key == "tau" else (c[1]["timed"] or {}).get(key)
-            scored = [c for c in cells if val(c) is not None]
-            best = max(scored, key=val, default=None)
-            lead.append("-" if best is None else f"{best[0]} ({val(best):.2f}{'' if key == 'tau' else 'x'})")
+        cells = {f: {"tau": r[f"tv<={b:g}"]["tau"], **(r[f"tv<={b:g}"]["timed"] or {})} for f, r in rows.items()
+                 if f != "vanilla" and r[f"tv<={b:g}"]}
+        lead = [("-" if n is None else f"{n} ({cells[n][m]:.2f}{'' if m == 'tau' else 'x'})")
+                for m, n in leaders(cells).items()]
         lines.append(f"| <= {b:g} | " + " | ".join(lead) + " |")
     lines += ["", "Quality points: each decodes its own images (tau and TV measured there too), scored against the "
               "held-out reference; value [bias-corrected bootstrap 95% interval] over resamples of the generated "
