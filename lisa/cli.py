@@ -205,6 +205,7 @@ MATRIX_ITEM = {"eval-method": "method", "ablate-arch": "drafter", "sweep": "fami
 # stages whose output folder is shared: the files (git pathspecs, in it) each run writes
 WRITES = {"bench": ["vanilla.*"], "bench-spec": ["{world}.*"], "table": ["table.*", "pareto.png"],
           "eval-method": ["{method}.*", "{method}-tv.csv"], "ablate-arch": ["{drafter}.json", "{drafter}/*"],
+          "named-drafter": ["{drafter}.*", "{drafter}/*"],
           "sweep": ["{family}.json"], "quality-point": ["{point}.json"]}
 
 
@@ -284,6 +285,14 @@ COMMANDS = {
     "ablate-arch": ("a drafter architecture of params ablate_arch.drafters trained from the logit cache, its step "
                     "against the target's (eager, compiled) and tau / ms per image against vanilla under exact "
                     "-> reports/ablate-arch/<world>/<drafter>.json and curves", ["arch", "work"]),
+    "named-drafter": ("a named drafter of params drafters.named (its architecture, steps, seed, loss: baseline, LID or "
+                      "CFG-aware) trained from the logit cache, its held-out acceptance (top-k mass, sum_x min(p, q) "
+                      "unguided and guided) and tau / ms per image against vanilla under exact; methods draft with "
+                      "it by `drafter: <name>` -> data/drafters/<world>/<drafter>.safetensors, "
+                      "reports/drafters/<world>/<drafter>.json and curves", ["named", "report", "work"]),
+    "drafter-table": ("a world's named drafters side by side (held-out acceptance, tau, speedup), the seeds of an "
+                      "entry pooled with 95%% t-intervals, the held-out overlap curves "
+                      "-> reports/drafters/<world>.{md,json,png}", []),
     "bench": ("vanilla decode loop of a random-weight target vs its bare forwards -> reports/bench/vanilla.{json,md}",
               []),
     "bench-spec": ("every decoding method of params bench_spec (vanilla, exact tree / chain, lantern, sjd, gsd, gasv, "
@@ -344,6 +353,7 @@ OPTIONS = {
                                        "(e.g. lisa-sampled; an LID drafter: data/ablation/<world>)")),
     "cell": ("--method", dict(required=True, help="a key of params table.cells")),
     "arch": ("--drafter", dict(dest="drafter", required=True, help="a key of params ablate_arch.drafters")),
+    "named": ("--drafter", dict(dest="drafter", required=True, help="a key of params drafters.named")),
     "family": ("--family", dict(required=True, help="a key of params scoreboard.families")),
     "point": ("--point", dict(required=True, help="a key of params scoreboard.points")),
     "compile": ("--compile", dict(action="store_true", help="the target's and the drafter's forwards under "

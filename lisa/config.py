@@ -29,10 +29,11 @@ from pydantic.dataclasses import dataclass
 # the section types, importable from here
 from lisa.sections import (AblateArchParams, AblateLIDParams, ArchEntry, AutoTreeParams, BenchMethod, BenchParams,
                            BenchSpecParams, BuildDatasetParams, CacheLogitsParams, CalibrateParams, CorporaParams,
-                           Count, Count0, DatasetParams, DecodeMethod, DraftTree, DrafterArch, EncodeParams,
-                           EvaluateParams, InitTargetParams, InitTokenizerParams, LIDConfig, LaionFilter, LaunchParams,
-                           PremiseParams, QualityParams, QualityPoint, SAMPLING_KEYS, STRICT, SampleParams, Sampling,
-                           SamplingParams, ScoreboardParams, SelfGeneratedParams, Share, SweepFamily, TableCell,
+                           Count, Count0, DatasetParams, DecodeMethod, DraftTree, DrafterArch, DrafterRun,
+                           DraftersParams, EncodeParams, EvaluateParams, InitTargetParams, InitTokenizerParams,
+                           LIDConfig, LaionFilter, LaunchParams, NamedDrafter, PremiseParams, QualityParams,
+                           QualityPoint, SAMPLING_KEYS, STRICT, SampleParams, Sampling, SamplingParams,
+                           ScoreboardParams, SelfGeneratedParams, Share, SweepFamily, TableCell,
                            TableParams, ThroughputParams, TrainDrafterParams, TrainJudgeParams, TrainParams,
                            TrainTargetParams, TrainTokenizerParams, WorldParams)  # noqa: F401
 
@@ -64,6 +65,7 @@ class Params:
     cache_logits: CacheLogitsParams = Field(default_factory=CacheLogitsParams)
     ablate_lid: AblateLIDParams = Field(default_factory=AblateLIDParams)
     ablate_arch: AblateArchParams = Field(default_factory=AblateArchParams)
+    drafters: DraftersParams = Field(default_factory=DraftersParams)
     corpora: CorporaParams = Field(default_factory=CorporaParams)
     quality: QualityParams = Field(default_factory=QualityParams)
     evaluate: EvaluateParams = Field(default_factory=EvaluateParams)

@@ -169,7 +169,9 @@ class DecodeMethod(DraftTree, _Method):
     (lisa.stages.params, by lisa.decoding.verify.verifier_options)."""
     window: Count = 16  # sjd / gsd draft window
     options: dict[str, float] = Field(default_factory=dict)  # e.g. lantern {k, delta}, gasv {kappa, lambda, k}
-    drafter: Literal["release", "lid"] = "release"  # data/drafter/<world> (baseline loss) | ablate-lid's LID drafter
+    # release: data/drafter/<world> (baseline loss) | lid: ablate-lid's LID drafter | a key of drafters.named (trained
+    # by its named-drafter stage: data/drafters/<world>/<name>.safetensors)
+    drafter: str = "release"
 
     @field_validator("options")
     @classmethod
@@ -334,6 +336,34 @@ class AblateArchParams(SamplingParams, DraftTree):
     per_class: Count = 2  # seeds per class / prompt for the timed decodes
     rounds: Count = 21  # interleaved timing rounds of the bare forwards
     drafters: dict[str, ArchEntry] = Field(default_factory=lambda: {"eagle3": ArchEntry()})
+
+
+@dataclass(config=STRICT)
+class NamedDrafter(ArchEntry):
+    """A named drafter (drafters.named): train_drafter's settings with its architecture, steps, TTT form, seed and
+    loss, trained from the logit cache; a decoding method drafts with it by `drafter: <name>`."""
+    seed: Optional[int] = None  # None = train_drafter's
+    loss: Literal["baseline", "lid"] = "baseline"  # top-K soft CE | LID with ablate_lid.lid's constants
+    # weight of the guided term (0 = none): the soft CE between the guided distributions of target and drafter at the
+    # world's cfg_scale, each sequence's conditional and unconditional rows in the batch (lisa.training.drafter)
+    guided: Share = 0.0
+
+
+@dataclass(config=STRICT)
+class DrafterRun:
+    """One named-drafter stage (drafters.runs, keyed <world>-<drafter>): a named drafter trained for a world."""
+    world: str
+    drafter: str
+
+
+@dataclass(config=STRICT)
+class DraftersParams(SamplingParams, DraftTree):
+    """Named drafters (lisa/stages/drafter.py named_drafter): each run trains `named[drafter]` for its world, then
+    measures its held-out acceptance (the target mass on its top-k; sum_x min(p, q) with and without guidance) and
+    tau and ms per image against vanilla under `exact` with this tree on sample.classes / sample.prompts."""
+    per_class: Count = 6  # seeds per class / prompt for the timed decodes
+    named: dict[str, NamedDrafter] = Field(default_factory=dict)
+    runs: dict[str, DrafterRun] = Field(default_factory=dict)
 
 
 @dataclass(config=STRICT)

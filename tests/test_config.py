@@ -89,6 +89,23 @@ def test_method_typo_fails_at_load():
         parse_params(raw)
 
 
+def test_named_drafters_are_checked_at_load():
+    """A method's drafter is release, lid or a key of drafters.named; a run names a world and a named drafter, under
+    the key <world>-<drafter> (its stage's name)."""
+    raw = micro()
+    parse_params(raw)  # the micro profile's scoreboard family drafts with its named drafter `cfg`
+    raw["table"]["cells"]["typo"] = {"method": "exact", "drafter": "cheep"}
+    with pytest.raises(ConfigError, match=r"'drafter' in section 'table.cells.typo'.*'cheep'.*drafters.named \['cfg'\]"):
+        parse_params(raw)
+    for run, match in (({"world": "mars", "drafter": "cfg"}, "unknown world 'mars'"),
+                       ({"world": "fashion-c2i", "drafter": "cheep"}, "no drafter 'cheep'"),
+                       ({"world": "emoji-t2i", "drafter": "cfg"}, "key must be <world>-<drafter>: emoji-t2i-cfg")):
+        raw = micro()
+        raw["drafters"]["runs"]["fashion-c2i-cfg"] = run
+        with pytest.raises(ConfigError, match=rf"section 'drafters.runs.fashion-c2i-cfg'.*{match}"):
+            parse_params(raw)
+
+
 def resolved(params) -> dict:
     """(section path, world) -> the SamplingConfig that section samples with in that world."""
     from lisa.config import sampling_sections

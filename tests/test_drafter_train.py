@@ -238,3 +238,128 @@ def test_incremental_ttt_is_the_concatenated_one():
     assert a1 == a0 and g1.keys() == g0.keys() and len(g0) > 5
     for n in g0:
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_guided_loss_ends():
+    """The CFG-aware loss: weight 0 is each row's own loss; at cfg_scale 1 the guided distributions are the
+    conditional ones, so its guided term is the conditional row's soft CE, counted on both rows of the pair."""
+    from lisa.training.drafter import (GuidedTargets, cached_soft_ce, cached_targets, guided_loss_fn, guided_probs,
+                                       soft_ce)
+
+    torch.manual_seed(0)
+    B, T, V = 3, 5, 16
+    target_logits, logits = torch.randn(2 * B, T, V) * 3, torch.randn(2 * B, T, V)
+    for scale in (1.0, 4.0):
+        s = SamplingConfig(temperature=1.0, cfg_scale=scale)
+        t = GuidedTargets(cached_targets(target_logits, V), guided_probs(target_logits, s))
+        own = cached_soft_ce(t.halves, logits)
+        assert torch.allclose(guided_loss_fn(cached_soft_ce, s, 0.0)(t, logits), own)
+        g = guided_loss_fn(cached_soft_ce, s, 1.0)(t, logits)
+        assert torch.allclose(g[:B], g[B:])
+        if scale == 1.0:
+            assert torch.allclose(g[:B], soft_ce(target_logits[:B].softmax(-1), logits[:B]), atol=1e-5)
+        assert t[:, 1:].halves.topk_idx.shape == (2 * B, T - 1, V) and t[:, 1:].guided.shape == (B, T - 1, V)
+
+
+def test_heldout_overlap_is_the_acceptance_of_a_sampled_draft():
+    """heldout_overlap at TTT step 0 = sum_x min(p, q) of the target's and drafter's distributions on the
+    conditional rows; guided at cfg_scale 1 it is the same number, and at another scale a number in (0, 1]."""
+    from lisa.training.drafter import heldout_overlap, target_features, ttt_losses
+
+    target = peaked_target()
+    tokens, cond = data(target, n=8)
+    torch.manual_seed(0)
+    d = new_drafter(target)
+    cfg = TrainDrafterParams(ttt_steps=2, eval_batch_size=4)
+    one = heldout_overlap(d, target, tokens, cond, cfg, SamplingConfig(temperature=1.0, cfg_scale=1.0))
+    assert one["heldout_overlap"] == pytest.approx(one["heldout_overlap_cfg"], rel=1e-5)
+    hidden, p = target_features(target, cond, tokens, None, tuple(d.config.taps))
+    seen = []
+    ttt_losses(d, hidden, p, tokens, 1, target.config.cls_token_num,
+               lambda tp, logits: seen.append(torch.minimum(tp, logits.softmax(-1)).sum(-1).mean()) or tp.sum(-1))
+    assert one["heldout_overlap"][0] == pytest.approx(seen[0].item(), rel=1e-4)
+    four = heldout_overlap(d, target, tokens, cond, cfg, SamplingConfig(temperature=1.0, cfg_scale=4.0))
+    assert all(0 < x <= 1 for x in four["heldout_overlap_cfg"])
+    assert four["heldout_overlap"] == pytest.approx(one["heldout_overlap"], rel=1e-5)
+
+
+@pytest.mark.parametrize("lid", [False, True])
+def test_guided_distillation_learns_the_guided_distribution(tmp_path, lid):
+    """CFG-aware training (pairs of conditional / unconditional rows from the logit cache's sequences, the target's
+    guided distribution as label) raises the held-out guided overlap, alone and with LID on the rows; the curves
+    carry the overlap columns."""
+    from lisa.training.cache import CacheSpec, open_cache, write_cache, write_manifest
+    from lisa.training.distill import LIDConfig
+    from lisa.training.drafter import heldout_overlap
+
+    target = peaked_target()
+    tokens, cond = data(target)
+    spec = CacheSpec(K=8, shard_size=32, batch_size=16, uncond_every=10)
+    write_cache(target, "t" * 64, tokens, cond, spec, tmp_path / "cache", progress=False)
+    write_manifest(tmp_path / "cache", "t" * 64, spec, len(tokens), tokens.shape[1])
+    cache = open_cache(tmp_path / "cache", "t" * 64)
+    cfg = TrainDrafterParams(steps=30, batch_size=16, lr=3e-3, warmup=2, checkpoint_every=30, eval_batch_size=32,
+                             ttt_steps=2, eval_every=15, eval_sequences=16)
+    s = SamplingConfig(temperature=1.0, cfg_scale=3.0)
+    torch.manual_seed(0)
+    before = heldout_overlap(new_drafter(target), target, tokens[:32], cond[:32], cfg, s)
+    torch.manual_seed(0)
+    d = new_drafter(target)
+    loss = (torch.randn(16, 4), LIDConfig(top_kc=4, joint_k=4, veto_steps=20)) if lid else None
+    m = train_drafter(d, target, tokens, cond, tokens[:32], cond[:32], cfg, tmp_path / "w", progress=False,
+                      cache=cache, lid=loss, guided=(s, 0.5), overlap=s, curves=tmp_path / "curves")
+    assert m["heldout_overlap_cfg"][0] > before["heldout_overlap_cfg"][0] + 0.05
+    held = (tmp_path / "curves" / "heldout.csv").read_text().splitlines()
+    assert len(held) == 1 + 2 and "heldout_overlap_cfg_s1" in held[0]
+    assert float(held[-1].split(",")[held[0].split(",").index("heldout_overlap_cfg_s0")]) == pytest.approx(
+        heldout_overlap(d, target, tokens[:16], cond[:16], cfg, s)["heldout_overlap_cfg"][0], rel=1e-4)
+
+
+def test_plateau_rise():
+    from lisa.stages.drafter import plateau_rise
+
+    curve = [[100, 0.2], [200, 0.3], [300, 0.38], [400, 0.39], [500, 0.40]]
+    assert plateau_rise(curve, 1) == pytest.approx((0.40 - 0.39) / 0.40)  # from step 400 = 0.8 x 500
+    assert plateau_rise([[500, 0.4]], 1) is None
+
+
+def test_drafter_table_pools_seeds(tmp_path):
+    """drafter-table: one row per run, the seeds of an entry pooled (mean and 95% t-interval over seeds); a run
+    without its report is an error naming the file and the command that writes it."""
+    import json
+
+    import yaml
+
+    from lisa.config import parse_params, profile_text
+    from lisa.stages.drafter import drafter_table, seed_groups
+    from lisa.stages.paths import WorldPaths
+
+    raw = yaml.safe_load(profile_text("micro"))
+    raw["drafters"]["named"] |= {"cfg-s1": raw["drafters"]["named"]["cfg"] | {"seed": 1},
+                                 "base": {"ffn_dim": 0, "steps": 4}}
+    raw["drafters"]["runs"] |= {"fashion-c2i-cfg-s1": {"world": "fashion-c2i", "drafter": "cfg-s1"},
+                                "fashion-c2i-base": {"world": "fashion-c2i", "drafter": "base"}}
+    p, paths = parse_params(raw), WorldPaths.of("fashion-c2i", tmp_path)
+    assert seed_groups(p.drafters, "fashion-c2i") == {"cfg": ["cfg", "cfg-s1"], "base": ["base"]}
+    with pytest.raises(FileNotFoundError, match=r"cfg.json: no report .*lisa named-drafter --world fashion-c2i"):
+        drafter_table(p.drafters, paths)
+    taus = {"cfg": 2.0, "cfg-s1": 2.2, "base": 1.8}
+    for i, (name, tau) in enumerate(taus.items()):
+        held = {k: [0.3 + i / 10, 0.2] for k in ("heldout_topk_mass", "heldout_overlap", "heldout_overlap_cfg")}
+        report = {"entry": {"loss": "lid", "guided": 0.5}, "config": {"dim": 32, "ffn_dim": 0}, "seed": i,
+                  "steps": 4, "train": {"train_s": 60.0}, "heldout": held | {"heldout_soft_ce": [1.0, 1.1]},
+                  "rise_last_20pct": {"heldout_overlap_cfg_s0": 0.001}, "tau": tau,
+                  "ms_per_image": {"vanilla": 10.0, "exact": 5.0}, "speedup_eager": 2.0}
+        (paths.named_report / name).mkdir(parents=True)
+        (paths.named_report / f"{name}.json").write_text(json.dumps(report))
+        (paths.named_report / name / "heldout.csv").write_text(
+            "step,heldout_overlap_s0,heldout_overlap_cfg_s0\n2,0.1,0.1\n4,0.2,0.2\n")
+    drafter_table(p.drafters, paths)
+    out = json.loads(paths.named_report.with_suffix(".json").read_text())
+    g = out["groups"]["cfg"]
+    assert g["tau"]["mean"] == pytest.approx(2.1) and g["seeds"] == [0, 1]
+    assert g["tau"]["ci95"] == pytest.approx(12.706 * 0.1, rel=1e-3)  # t(0.975, 1) x sd (0.1 x sqrt 2) / sqrt 2
+    assert out["groups"]["base"]["tau"]["ci95"] is None
+    md = paths.named_report.with_suffix(".md").read_text()
+    assert "| cfg | 0, 1 | 2.100 +- 1.271 |" in md and "| base | 2 | 1.800 |" in md
+    assert paths.named_report.with_suffix(".png").stat().st_size > 0

@@ -55,6 +55,27 @@ def test_a_retrained_drafter_changes_only_its_readers(tmp_path):
     assert changed == readers and "cells/vanilla.json" not in changed and "cells/lisa-a.json" not in changed
 
 
+def test_a_named_drafter_is_read_from_its_file(tmp_path):
+    """A family that drafts with a named drafter (drafters.named) reads data/drafters/<world>/<name>.safetensors: its
+    manifest names that file, and a missing one is an error naming the file and the stage that makes it."""
+    from lisa.config import profile_text, parse_params
+    from lisa.stages.common import method_resources
+
+    p, paths = parse_params(yaml.safe_load(profile_text("micro"))), _world(tmp_path)
+    named = paths.drafter_of("cfg")
+    assert named == tmp_path / "data" / "drafters" / "fashion-c2i" / "cfg.safetensors"
+    with pytest.raises(FileNotFoundError, match=r"scoreboard.families.exact-sampled-cfg: .*drafter "
+                                                r".*cfg.safetensors: not found .*lisa named-drafter --drafter cfg"):
+        method_inputs(p, paths)
+    with pytest.raises(FileNotFoundError, match="need the cfg drafter.*lisa named-drafter --drafter cfg"):
+        method_resources([p.scoreboard.families["exact-sampled-cfg"]], None, {}, None, paths, 8)
+    named.parent.mkdir(parents=True)
+    named.write_text("named")
+    method_inputs(p, paths)
+    reads = read_json(paths.inputs_dir / "families" / "exact-sampled-cfg.json")["reads"]
+    assert reads == {"drafter": {"file": named.as_posix(), "sha256": file_sha256(named)}}
+
+
 def test_a_method_dropped_from_params_loses_its_manifest(tmp_path):
     p, paths = load_params(ROOT / "params.yaml"), _world(tmp_path)
     method_inputs(p, paths)

@@ -15,10 +15,12 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 STAGES = ["build-dataset", "train-tokenizer", "encode", "train-target", "init-tokenizer", "init-target", "sample",
           "premise", "fid-reference", "train-judge", "evaluate", "train-drafter", "cache-logits", "ablate-lid",
-          "ablate-arch", "laion-fixture", "build-laion-coco", "build-self-generated", "calibrate", "eval-method",
+          "ablate-arch", "named-drafter", "drafter-table",
+          "laion-fixture", "build-laion-coco", "build-self-generated", "calibrate", "eval-method",
           "table", "bench", "bench-spec", "sweep", "quality-point", "scoreboard"]
 DAG = ["build-dataset", "train-tokenizer", "encode", "train-target", "sample", "premise", "fid-reference",
-       "train-judge", "evaluate", "train-drafter", "cache-logits", "ablate-lid", "ablate-arch", "bench-spec",
+       "train-judge", "evaluate", "train-drafter", "cache-logits", "ablate-lid", "ablate-arch", "named-drafter",
+       "drafter-table", "bench-spec",
        "laion-fixture", "build-laion-coco", "build-self-generated", "calibrate", "eval-method", "table", "summary",
        "bench", "sweep", "quality-point", "scoreboard"]
 
@@ -106,6 +108,17 @@ def test_dvc_repro_micro(tmp_path, micro_built):
         assert arch["tau"] >= 1.0 and arch["speedup_eager"] > 0 and arch["steps"] == 4
         assert all(q > 0 for mode in ("eager", "compiled") for q in arch["step_cost"][mode]["q_ratio"].values())
         assert len((repo / f"reports/ablate-arch/{world}/noffn/heldout.csv").read_text().splitlines()) == 1 + 2
+        named = json.loads((repo / f"reports/drafters/{world}/cfg.json").read_text())  # LID + CFG-aware, its own stage
+        assert named["steps"] == 4 and named["tau"] >= 1.0 and named["entry"] | {"seed": 0} == {
+            "width": 0, "ffn_dim": 0, "n_head": None, "head_rank": 0, "steps": 4, "ttt": "incremental", "seed": 0,
+            "loss": "lid", "guided": 0.5}
+        assert all(0 < x <= 1 for x in named["heldout"]["heldout_overlap_cfg"])
+        assert (repo / f"data/drafters/{world}/cfg.safetensors").is_file()
+        assert "| cfg |" in (repo / f"reports/drafters/{world}.md").read_text()
+        cfg_family = json.loads((repo / f"reports/scoreboard/{world}/sweep/exact-sampled-cfg.json").read_text())
+        assert cfg_family["points"][0]["lossless"] and cfg_family["points"][0]["tau"] >= 1.0
+        reads = json.loads((repo / f"data/methods/{world}/families/exact-sampled-cfg.json").read_text())["reads"]
+        assert reads["drafter"]["file"] == f"data/drafters/{world}/cfg.safetensors"
         gen = json.loads((repo / f"reports/corpora/self-generated-{world}.json").read_text())
         assert gen["sequences"] == 8 and gen["target_sha256"] == target_sha
         assert "| exact-auto |" in (repo / f"reports/bench/{world}.md").read_text()
@@ -125,7 +138,7 @@ def test_dvc_repro_micro(tmp_path, micro_built):
         for k in ("tv<=0.05", "tv<=0.3"):
             mine, theirs = h["LISA"][k], board["families"]["gasv-topk"][k]
             assert (mine is None) == (theirs is None) and (mine is None or mine["tau"] == theirs["tau"])
-        assert set(h) == {"LISA-lossless", "LISA", "vanilla"}
+        assert set(h) == {"LISA-lossless", "LISA", "vanilla", "exact-sampled-cfg"}
         assert head["vanilla_fid"] == rows[world]["cells"]["vanilla"]["fid"]
         if "lossless" in head:  # timed by bench-spec when the sweep's pick is one of its methods
             assert h[head["lossless"]["method"]]["lossless"]
@@ -140,7 +153,7 @@ def test_dvc_repro_micro(tmp_path, micro_built):
         exact = json.loads((repo / f"reports/scoreboard/{world}/sweep/exact-sampled.json").read_text())["points"]
         assert len(exact) == 1 and exact[0]["lossless"] and exact[0]["tau"] >= 1.0
         board = json.loads((repo / f"reports/scoreboard/{world}.json").read_text())
-        assert set(board["families"]) == {"vanilla", "exact-sampled", "gasv-topk"}
+        assert set(board["families"]) == {"vanilla", "exact-sampled", "gasv-topk", "exact-sampled-cfg"}
         assert board["families"]["exact-sampled"]["tv<=0.05"]["tau"] == exact[0]["tau"]
         assert (repo / f"reports/scoreboard/{world}.png").stat().st_size > 0
     board = json.loads((repo / "reports/scoreboard/fashion-c2i.json").read_text())

@@ -29,6 +29,8 @@ FUNCTIONS = {
     "cache-logits": (drafter, "cache_logits", tasks.cache_logits),
     "ablate-lid": (drafter, "ablate_lid", tasks.ablate_lid),
     "ablate-arch": (drafter, "ablate_arch", tasks.ablate_arch),
+    "named-drafter": (drafter, "named_drafter", tasks.named_drafter),
+    "drafter-table": (drafter, "drafter_table", tasks.drafter_table),
     "calibrate": (drafter, "calibrate", tasks.calibrate),
     "bench-ddp": (drafter, "bench_ddp", tasks.bench_ddp),
     "laion-fixture": (corpora, "laion_fixture", tasks.laion_fixture),
@@ -44,6 +46,7 @@ FUNCTIONS = {
 }
 OPTIONS = {"eval-method": (["--method", "vanilla"], {"method": "vanilla"}),
            "ablate-arch": (["--drafter", "eagle3"], {"drafter": "eagle3"}),
+           "named-drafter": (["--drafter", "cfg"], {"drafter": "cfg"}),
            "sweep": (["--family", "vanilla"], {"family": "vanilla"}),
            "quality-point": (["--point", "fashion-c2i-vanilla-s0"], {"point": "fashion-c2i-vanilla-s0"})}
 

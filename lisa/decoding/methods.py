@@ -4,7 +4,7 @@
 A method (lisa.config.DecodeMethod) names vanilla or a verifier of lisa.decoding.verify's registry, with its tree
 or window and its knobs. What the verifier reads besides the target is its registry entry's (`Verifier.reads`):
 the codebook (gsd), a table of each code's nearest codes (lantern), GASV's calibration (gasv); the tree verifiers
-also read a drafter (release or LID, `DecodeMethod.drafter`). `decoder_config` is a method as the loop reads it,
+also read a drafter (release, LID or named: `DecodeMethod.drafter`). `decoder_config` is a method as the loop reads it,
 `method_geometry` the geometry a set of methods reads, `method_decoder` the decoder; a tree "auto" is resolved
 first by the cost model on this machine (`auto_tree`, `resolve_auto`).
 """
@@ -35,7 +35,7 @@ class DecoderConfig:
     options: Any  # the verifier's typed options (None: vanilla)
     spec: Optional[SpecConfig]  # a drafter's tree (tree verifiers; None until a tree "auto" is resolved)
     window: Optional[int]  # a Jacobi window (drafter-free verifiers)
-    drafter: Optional[str]  # "release" | "lid": the drafter a tree verifier reads
+    drafter: Optional[str]  # release, lid or a named drafter: the one a tree verifier reads
     reads: frozenset  # what else the verifier reads (Verifier.reads): "codebook", "neighbours", "calibration"
     nearest: Optional[int]  # nearest codes per code the verifier reads from a neighbour table (its option k)
 

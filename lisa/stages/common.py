@@ -159,14 +159,14 @@ def judge_scores(judge, images_u8: torch.Tensor, labels: torch.Tensor, captions:
 @dataclass
 class MethodResources:
     """What decoding methods read beside the target (lisa.decoding.methods): the drafters they use, loaded from the
-    world's files ({"release" | "lid": (drafter, sidecar)}), and the codebook geometry (None if no verifier reads
-    it)."""
+    world's files ({name: (drafter, sidecar)}: release, lid or named), and the codebook geometry (None if no
+    verifier reads it)."""
     drafters: dict
     geometry: object
 
     @property
     def modules(self) -> dict:
-        """{"release" | "lid": drafter}: what lisa.decoding.methods.method_decoder picks the method's drafter from."""
+        """{name: drafter}: what lisa.decoding.methods.method_decoder picks the method's drafter from."""
         return {k: d for k, (d, _) in self.drafters.items()}
 
     @property
@@ -180,20 +180,21 @@ class MethodResources:
 
 def method_resources(methods, target, target_meta: dict, vq, paths: WorldPaths, neighbours: int) -> MethodResources:
     """The drafters and geometry `methods` read, from the world's files, checked against the target: the release
-    drafter (data/drafter/<world>) or the LID one (data/ablation/<world>) per tree method (DecodeMethod.drafter),
+    drafter (data/drafter/<world>), the LID one (data/ablation/<world>) or a named one (data/drafters/<world>) per
+    tree method (DecodeMethod.drafter),
     the codebook, a neighbour table at least `neighbours` wide (lisa.decoding.methods.method_geometry; each stage
     passes its own width), and for gasv the calibration of this very target (lisa.training.calibrate; another
     checkpoint's is a CalibrationError). What a verifier reads is its registry entry's (Verifier.reads)."""
     from lisa.training.calibrate import load_calibration
 
     out = {}
-    files = {"release": paths.drafter_file, "lid": paths.lid_drafter_file}
+    makers = {"release": "`lisa train-drafter`", "lid": "`lisa ablate-lid`"}
     for which in sorted({m.drafter for m in methods if drafts_tree(m.method)}):
-        path = files.get(which)
-        if path is None or not Path(path).is_file():
+        path = paths.drafter_of(which)
+        if not Path(path).is_file():
             users = [getattr(m, "name", m.method) for m in methods if m.drafter == which and drafts_tree(m.method)]
             raise FileNotFoundError(f"methods {users} need the {which} drafter: {path} not found "
-                                    f"({'`lisa train-drafter`' if which == 'release' else '`lisa ablate-lid`'})")
+                                    f"({makers.get(which, f'`lisa named-drafter --drafter {which}`')})")
         out[which] = load_drafter(path, target_meta)
     reads, calibration = geometry_reads(methods), None
     if "calibration" in reads:

@@ -1,6 +1,8 @@
 """Stages of LISA's drafting side: `train-drafter` (the baseline EAGLE-3 drafter), `cache-logits` (the target's logit
-cache), `ablate-lid` (LID against the baseline loss), `calibrate` (GASV's calibration of the target) and `bench-ddp`
-(drafter training throughput under DDP)."""
+cache), `ablate-lid` (LID against the baseline loss), `ablate-arch` (a drafter architecture against its cost),
+`named-drafter` (a drafter of params drafters.named, which decoding methods can draft with), `drafter-table` (a
+world's named drafters side by side), `calibrate` (GASV's calibration of the target) and `bench-ddp` (drafter training
+throughput under DDP)."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,15 +18,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lisa.checkpoint import file_sha256, save_artifact, write_json
-from lisa.config import (AblateArchParams, AblateLIDParams, CacheLogitsParams, CalibrateParams, SampleParams,
-                         TrainDrafterParams, WorldParams, seed_for)
+from lisa.checkpoint import atomic_write_all, file_sha256, json_writer, save_artifact, write_json
+from lisa.config import (AblateArchParams, AblateLIDParams, CacheLogitsParams, CalibrateParams, DrafterArch,
+                         DraftersParams, LIDConfig, SampleParams, TrainDrafterParams, WorldParams, seed_for)
 from lisa.decoding.methods import tree_spec
 from lisa.decoding.sampling import sampling_config
 from lisa.models.llamagen import load_target, load_tokenizer
 from lisa.stages.common import load_codes, target_codebook, text_conditions
 from lisa.stages.paths import Stage, WorldPaths
-from lisa.stages.render import ablation_markdown, ddp_markdown, write_lines
+from lisa.stages.render import ablation_markdown, ddp_markdown, lines_writer, write_lines
 from lisa.training import cache
 from lisa.training.distributed import init_distributed
 
@@ -157,6 +159,26 @@ def _conditions(world: WorldParams, target, sample_p: SampleParams, per_class: i
     return text_conditions(world, target.config, list(sample_p.prompts)).repeat_interleave(per_class, 0)
 
 
+def _against_vanilla(target, drafter, cond: torch.Tensor, sampling, spec, seed: int) -> tuple[float, dict]:
+    """tau under `exact` on the tree `spec`, and the seconds of vanilla and of it over the conditions (one image
+    each, condition i seeded (seed, i), the two interleaved with the order alternating: a slow spell lands on
+    both; eager, after an untimed warm-up)."""
+    from lisa.decoding.methods import decoder
+
+    vanilla, speculative = decoder(target), decoder(target, "exact", drafter, spec)
+    gen = lambda i: torch.Generator().manual_seed(seed_for(seed, i))  # noqa: E731
+    vanilla(cond[:1], sampling, gen(0)), speculative(cond[:1], sampling, gen(0))  # warm-up, untimed
+    seconds, tokens, forwards = {"vanilla": 0.0, "exact": 0.0}, 0, 0
+    for i in range(len(cond)):
+        for name in (("vanilla", "exact") if i % 2 == 0 else ("exact", "vanilla")):
+            t0 = time.perf_counter()
+            out, stats = (vanilla if name == "vanilla" else speculative)(cond[i : i + 1], sampling, gen(i))
+            seconds[name] += time.perf_counter() - t0
+            if name == "exact":
+                tokens, forwards = tokens + out.shape[1] - 1, forwards + stats["forwards"] - 1
+    return tokens / max(forwards, 1), seconds
+
+
 def ablate_arch(world: WorldParams, train_p: TrainDrafterParams, p: AblateArchParams, sample_p: SampleParams,
                 paths: WorldPaths, drafter: str) -> dict:
     """One drafter architecture of ablate_arch.drafters, trained as ablate-lid's baseline (the logit cache,
@@ -166,7 +188,6 @@ def ablate_arch(world: WorldParams, train_p: TrainDrafterParams, p: AblateArchPa
     (conditions of sample.classes / sample.prompts, vanilla and speculative interleaved per condition, eager)
     -> arch_report/<drafter>.json and its curves."""
     from lisa.bench.regime import step_costs
-    from lisa.decoding.methods import decoder
     from lisa.training.drafter import new_drafter, train_drafter as train
 
     if drafter not in p.drafters:
@@ -189,27 +210,140 @@ def ablate_arch(world: WorldParams, train_p: TrainDrafterParams, p: AblateArchPa
     costs = step_costs(target, model, rows, sorted({1, max(p.branching or [p.top_k_draft])}), p.rounds)
 
     cond = _conditions(world, target, sample_p, p.per_class)
-    vanilla, speculative = decoder(target), decoder(target, "exact", model, spec)
-    gen = lambda i: torch.Generator().manual_seed(seed_for(p.seed, i))  # noqa: E731
-    vanilla(cond[:1], sampling, gen(0)), speculative(cond[:1], sampling, gen(0))  # warm-up, untimed
-    seconds, tokens, forwards = {"vanilla": 0.0, "exact": 0.0}, 0, 0
-    for i in range(len(cond)):  # interleaved, the order alternating: a slow spell lands on both
-        for name in (("vanilla", "exact") if i % 2 == 0 else ("exact", "vanilla")):
-            t0 = time.perf_counter()
-            out, stats = (vanilla if name == "vanilla" else speculative)(cond[i : i + 1], sampling, gen(i))
-            seconds[name] += time.perf_counter() - t0
-            if name == "exact":
-                tokens, forwards = tokens + out.shape[1] - 1, forwards + stats["forwards"] - 1
+    tau, seconds = _against_vanilla(target, model, cond, sampling, spec, p.seed)
     train_speed = {k: m[k] for k in ("train_s", "steps_per_s_this_run")}
     metrics = {"drafter": drafter, "architecture": dataclasses.asdict(arch), "config": model.config.to_dict(),
                "trainable_params": trainable, "steps": tp.steps, "train": train_speed,
                "heldout": {k: m[k] for k in ("heldout_soft_ce", "heldout_top1_agreement", "heldout_topk_mass")},
                "step_cost": costs, "rows": rows, "tree": dataclasses.asdict(spec), "conditions": len(cond),
-               "tau": tokens / max(forwards, 1),
+               "tau": tau,
                "ms_per_image": {k: 1000 * v / len(cond) for k, v in seconds.items()},
                "speedup_eager": seconds["vanilla"] / seconds["exact"], "target_sha256": target_meta["sha256"]}
     write_json(paths.arch_report / f"{drafter}.json", metrics)
     return {k: v for k, v in metrics.items() if k not in ("config", "heldout", "step_cost")}
+
+
+def plateau_rise(curve: list[list[float]], column: int, share: float = 0.2) -> Optional[float]:
+    """How much a held-out curve (rows [step, ...]) rose over its last `share` of steps, relative to its end: (end -
+    value at the last point at or before (1 - share) of the last step) / end; None if no point lies there."""
+    before = [r for r in curve if r[0] <= (1 - share) * curve[-1][0]] if curve else []
+    if not before:
+        return None
+    start = before[-1]
+    return (curve[-1][column] - start[column]) / curve[-1][column] if curve[-1][column] else None
+
+
+def named_drafter(world: WorldParams, train_p: TrainDrafterParams, p: DraftersParams, lid: LIDConfig,
+                  sample_p: SampleParams, paths: WorldPaths, drafter: str) -> dict:
+    """A named drafter (drafters.named) trained for a world from its logit cache: train_drafter's settings with the
+    entry's architecture, steps, TTT form, seed and loss (baseline top-K soft CE or LID with ablate_lid.lid; its
+    `guided` share: CFG-aware distillation at the world's cfg_scale) -> named_dir/<drafter>.safetensors; then its
+    held-out acceptance per TTT step (the target mass on its top-k; sum_x min(p, q) unguided and guided, as the
+    world samples) with the plateau rule's rise over the last 20% of steps, and tau and ms per image against
+    vanilla under `exact` on the section's tree -> named_report/<drafter>.json and its curves."""
+    from lisa.training.drafter import new_drafter, train_drafter as train
+
+    if drafter not in p.named:
+        raise ValueError(f"named-drafter: no drafter {drafter!r} in drafters.named {sorted(p.named)}")
+    entry = p.named[drafter]
+    target, target_meta = load_target(paths.target_file)
+    lc = cache.open_cache(paths.cache_dir, target_meta["sha256"], paths.cache_identity)
+    d = load_codes(paths.codes_file, target.config.model_type)
+    arch = {f.name: getattr(entry, f.name) for f in dataclasses.fields(DrafterArch)}
+    tp = dataclasses.replace(train_p, steps=entry.steps or train_p.steps, ttt=entry.ttt or train_p.ttt,
+                             seed=train_p.seed if entry.seed is None else entry.seed, **arch)
+    sampling, spec = sampling_config(world, p), tree_spec(p, "exact")
+    loss = None
+    if entry.loss == "lid":
+        vq, _ = load_tokenizer(paths.tokenizer_file)
+        loss = (target_codebook(vq, target.config), lid)
+    torch.manual_seed(tp.seed)
+    model = new_drafter(target, **tp.overrides())
+    curves = paths.named_report / drafter
+    m = train(model, target, d["train_tokens"], d["train_cond"], d["test_tokens"][:512], d["test_cond"][:512], tp,
+              paths.named_work / drafter, cache=lc, lid=loss, curves=curves, target_id=target_meta["sha256"],
+              guided=(sampling, entry.guided) if entry.guided > 0 else None, overlap=sampling)
+    model.eval()
+    save_artifact(model, paths.drafter_of(drafter), "drafter", model.config, step=tp.steps, seed=tp.seed,
+                  made_from={"target_sha256": target_meta["sha256"], "named": drafter, "loss": entry.loss,
+                             "guided": entry.guided, "cache": str(paths.cache_dir)}, extra={"metrics": m})
+    held = pd_read(curves / "heldout.csv")
+    rise = {col: plateau_rise(held[["step", col]].values.tolist(), 1)
+            for col in ("heldout_topk_mass_s0", "heldout_overlap_s0", "heldout_overlap_cfg_s0") if col in held}
+    cond = _conditions(world, target, sample_p, p.per_class)
+    tau, seconds = _against_vanilla(target, model, cond, sampling, spec, p.seed)
+    metrics = {"drafter": drafter, "world": paths.world, "entry": dataclasses.asdict(entry),
+               "config": model.config.to_dict(), "steps": tp.steps, "seed": tp.seed,
+               "trainable_params": sum(x.numel() for x in model.parameters() if x.requires_grad),
+               "train": {k: m[k] for k in ("train_s", "steps_per_s_this_run")},
+               "heldout": {k: m[k] for k in ("heldout_soft_ce", "heldout_top1_agreement", "heldout_topk_mass",
+                                             "heldout_overlap", "heldout_overlap_cfg")},
+               "rise_last_20pct": rise, "cfg_scale": sampling.cfg_scale if sampling.use_cfg else 1.0,
+               "tree": dataclasses.asdict(spec), "conditions": len(cond), "tau": tau,
+               "ms_per_image": {k: 1000 * v / len(cond) for k, v in seconds.items()},
+               "speedup_eager": seconds["vanilla"] / seconds["exact"], "target_sha256": target_meta["sha256"]}
+    write_json(paths.named_report / f"{drafter}.json", metrics)
+    return {k: v for k, v in metrics.items() if k not in ("config", "entry", "heldout")}
+
+
+def seed_groups(p: DraftersParams, world: str) -> dict[str, list[str]]:
+    """The world's runs grouped by their named drafter's entry without its seed: {group label: [drafter names]}, the
+    label the first name of the group with its `-s<seed>` suffix (if any) dropped."""
+    groups: dict[str, list[str]] = {}
+    for run in p.runs.values():
+        if run.world != world:
+            continue
+        key = json.dumps(dataclasses.asdict(p.named[run.drafter]) | {"seed": None}, sort_keys=True)
+        groups.setdefault(key, []).append(run.drafter)
+    return {names[0].rsplit("-s", 1)[0] if names[0].rsplit("-s", 1)[-1].isdigit() else names[0]: names
+            for names in groups.values()}
+
+
+def drafter_table(p: DraftersParams, paths: WorldPaths) -> dict:
+    """The world's named drafters side by side, from their named-drafter reports: architecture, loss, seed, training
+    minutes, held-out acceptance (top-k mass, sum_x min(p, q) unguided and guided) at the first TTT step, the
+    curves' rise over their last 20% of steps, tau and speedup against vanilla; the seeds of one entry pooled (mean
+    and 95% t-interval over seeds); the held-out guided-overlap curves -> named_report.{md,json,png}."""
+    from scipy import stats
+
+    from lisa.stages.render import drafter_table_markdown, drafter_curves_figure
+
+    runs = {}
+    for run in p.runs.values():
+        if run.world != paths.world:
+            continue
+        f = paths.named_report / f"{run.drafter}.json"
+        if not f.is_file():
+            raise FileNotFoundError(f"{f}: no report of named drafter {run.drafter!r} (`lisa named-drafter --world "
+                                    f"{paths.world} --drafter {run.drafter}`)")
+        runs[run.drafter] = json.loads(f.read_text())
+    if not runs:
+        raise ValueError(f"drafters.runs has no run for world {paths.world!r}")
+    metrics = {"tau": lambda r: r["tau"], "speedup_eager": lambda r: r["speedup_eager"],
+               "topk_mass_s0": lambda r: r["heldout"]["heldout_topk_mass"][0],
+               "overlap_s0": lambda r: r["heldout"]["heldout_overlap"][0],
+               "overlap_cfg_s0": lambda r: r["heldout"]["heldout_overlap_cfg"][0]}
+    groups = {}
+    for label, names in seed_groups(p, paths.world).items():
+        g = {"drafters": names, "seeds": [runs[n]["seed"] for n in names]}
+        for key, get in metrics.items():
+            x = torch.tensor([get(runs[n]) for n in names], dtype=torch.float64)
+            half = (float(stats.t.ppf(0.975, len(x) - 1) * x.std() / len(x) ** 0.5) if len(x) > 1 else None)
+            g[key] = {"mean": x.mean().item(), "ci95": half}
+        groups[label] = g
+    curves = {n: pd_read(paths.named_report / n / "heldout.csv") for n in runs}
+    report = {"world": paths.world, "runs": runs, "groups": groups}
+    out = paths.named_report
+    atomic_write_all({out.with_suffix(".json"): json_writer(report),
+                      out.with_suffix(".md"): lines_writer(drafter_table_markdown(paths.world, runs, groups)),
+                      out.with_suffix(".png"): drafter_curves_figure(paths.world, curves)})
+    return {label: {k: v for k, v in g.items() if k in ("drafters", "tau")} for label, g in groups.items()}
+
+
+def pd_read(path: Path):
+    import pandas as pd
+
+    return pd.read_csv(path)
 
 
 def calibrate(p: CalibrateParams, paths: WorldPaths) -> dict:
@@ -292,6 +426,11 @@ STAGES = {
     "ablate-arch": Stage(lambda c, drafter="eagle3": ablate_arch(c.world, c.params.train_drafter, c.params.ablate_arch,
                                                                 c.params.sample, c.paths, drafter),
                          out="arch_report", work="arch_work"),
+    "named-drafter": Stage(lambda c, drafter: named_drafter(c.world, c.params.train_drafter, c.params.drafters,
+                                                            c.params.ablate_lid.lid, c.params.sample, c.paths,
+                                                            drafter),
+                           out="named_dir", report="named_report", work="named_work"),
+    "drafter-table": Stage(lambda c: drafter_table(c.params.drafters, c.paths), out="named_report"),
     "calibrate": Stage(lambda c: calibrate(c.params.calibrate, c.paths), out="calibration_dir",
                        report="calibration_report"),
     "bench-ddp": Stage(lambda c, steps=40: bench_ddp(c.params_path, c.paths, steps), out="bench_ddp_report",

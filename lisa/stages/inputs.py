@@ -1,8 +1,8 @@
 """`method-inputs`: what each decoding method of a world reads besides the target, as small files DVC depends on.
 
 eval-method, sweep and quality-point decode one method each. A drafter-free method (vanilla, the Jacobi family)
-reads no drafter and no calibration, a tree method one drafter (the release one or the LID one), gasv also the
-calibration. dvc.yaml cannot give a matrix stage per-item deps (deps are checked as a list before interpolation, a
+reads no drafter and no calibration, a tree method one drafter (the release one, the LID one or a named one), gasv
+also the calibration. dvc.yaml cannot give a matrix stage per-item deps (deps are checked as a list before interpolation, a
 list does not interpolate, a dict-valued matrix item reads as its key), so this stage writes one manifest per method,
 data/methods/<world>/cells/<cell>.json (table.cells) and families/<family>.json (scoreboard.families): the files the
 method reads and their sha256. Those stages depend on their method's manifest instead of on every drafter and
@@ -25,7 +25,7 @@ def method_reads(m: DecodeMethod, paths: WorldPaths) -> dict[str, Path]:
     calibration (a verifier whose registry entry reads one: gasv), as lisa.decoding.methods.decoder_config says."""
     c, reads = decoder_config(m), {}
     if c.drafter is not None:
-        reads["drafter"] = paths.drafter_file if c.drafter == "release" else paths.lid_drafter_file
+        reads["drafter"] = paths.drafter_of(c.drafter)
     if "calibration" in c.reads:
         reads["calibration"] = paths.calibration_file
     return reads
@@ -36,7 +36,9 @@ def manifest(m: DecodeMethod, paths: WorldPaths) -> dict:
     out = {"method": m.method, "reads": {}}
     for what, f in method_reads(m, paths).items():
         if not Path(f).is_file():
-            raise FileNotFoundError(f"method {m.method!r} reads the {what} {f}: not found")
+            raise FileNotFoundError(f"method {m.method!r} reads the {what} {f}: not found"
+                                    + (f" (`lisa named-drafter --drafter {m.drafter}`)" if what == "drafter" and
+                                       m.drafter not in ("release", "lid") else ""))
         out["reads"][what] = {"file": Path(f).as_posix(), "sha256": file_sha256(f)}
     return out
 
@@ -45,9 +47,13 @@ def method_inputs(p: Params, paths: WorldPaths) -> dict:
     """Every table cell's and scoreboard family's manifest -> inputs_dir/{cells,families}/<key>.json (one output,
     written together). Returns {key: number of files read} per kind."""
     files, summary = {}, {}
-    for kind, methods in (("cells", p.table.cells), ("families", p.scoreboard.families)):
+    for kind, section, methods in (("cells", "table", p.table.cells),
+                                   ("families", "scoreboard", p.scoreboard.families)):
         for key, m in methods.items():
-            doc = manifest(m, paths)
+            try:
+                doc = manifest(m, paths)
+            except FileNotFoundError as e:
+                raise FileNotFoundError(f"{section}.{kind}.{key}: {e}") from None
             files[paths.inputs_dir / kind / f"{key}.json"] = json_writer(doc)
             summary[f"{kind}/{key}"] = len(doc["reads"])
     atomic_write_all(files)

@@ -56,7 +56,20 @@ def check_params(params: Params, source: str = "params.yaml") -> Params:
         if world.target_checkpoint is None and g.vocab_size != v.codebook_size:
             raise ConfigError(f"{source}: world {name!r}: target vocab_size {g.vocab_size} != tokenizer "
                               f"codebook_size {v.codebook_size}")
+    known = {"release", "lid", *params.drafters.named}
+    for key, run in params.drafters.runs.items():
+        where = f"{source}: section 'drafters.runs.{key}'"
+        if run.world not in params.worlds:
+            raise ConfigError(f"{where}: unknown world {run.world!r}; params defines {sorted(params.worlds)}")
+        if run.drafter not in params.drafters.named:
+            raise ConfigError(f"{where}: no drafter {run.drafter!r} in drafters.named "
+                              f"{sorted(params.drafters.named)}")
+        if key != f"{run.world}-{run.drafter}":  # the stage's name says what it trains
+            raise ConfigError(f"{where}: the key must be <world>-<drafter>: {run.world}-{run.drafter}")
     for loc, m in methods(params):
+        if m.drafter not in known:
+            raise ConfigError(f"{source}: bad value for 'drafter' in section {loc!r}: {m.drafter!r} is not release, "
+                              f"lid nor a key of drafters.named {sorted(params.drafters.named)}")
         if m.method != "vanilla" and m.method not in VERIFIERS:
             raise ConfigError(f"{source}: bad value for 'method' in section {loc!r}: decoding method {m.method!r}: "
                               f"not 'vanilla' nor a verifier {sorted(VERIFIERS)}")

@@ -61,6 +61,9 @@ class WorldPaths:
     ablation_report: Path  # a folder: metrics.json, table.md, the curves of both drafters
     arch_work: Path
     arch_report: Path  # a folder: <drafter>.json and <drafter>/{train,heldout}.csv per architecture of ablate-arch
+    named_dir: Path  # the named drafters: <name>.safetensors each (drafters.named)
+    named_work: Path
+    named_report: Path  # a folder: <name>.json and <name>/{train,heldout}.csv per named drafter
     calibration_dir: Path
     calibration_report: Path
     bench_dir: Path  # bench-spec writes <world>.{json,md,png} here
@@ -86,6 +89,11 @@ class WorldPaths:
     lid_drafter_file: Path
     calibration_file: Path
 
+    def drafter_of(self, name: str) -> Path:
+        """The file of the drafter a decoding method names (DecodeMethod.drafter): release, lid or a named one."""
+        fixed = {"release": self.drafter_file, "lid": self.lid_drafter_file}
+        return fixed[name] if name in fixed else self.named_dir / f"{name}.safetensors"
+
     @classmethod
     def of(cls, world: str, root: str | Path = ".", **overrides) -> WorldPaths:
         """The paths of `world` under `root`; `overrides` replace fields (a folder with the files in it)."""
@@ -110,6 +118,7 @@ class WorldPaths:
             ablation_dir=data / "ablation" / w, ablation_work=work / "ablation" / w,
             ablation_report=reports / "ablation" / w,
             arch_work=work / "ablate-arch" / w, arch_report=reports / "ablate-arch" / w,
+            named_dir=data / "drafters" / w, named_work=work / "drafters" / w, named_report=reports / "drafters" / w,
             calibration_dir=data / "calibration" / w, calibration_report=reports / "calibration" / f"{w}.json",
             bench_dir=reports / "bench", bench_ddp_report=reports / "bench" / f"ddp-{w}",
             bench_ddp_work=work / "bench-ddp" / w,

@@ -154,6 +154,50 @@ def ablation_markdown(results: dict, spec, sampling, steps: int, conditions: int
     return lines + ["", f"LID / baseline tau: {ratio:.3f}"]
 
 
+def drafter_table_markdown(world: str, runs: dict, groups: dict) -> list[str]:
+    """drafter-table's markdown: every named drafter of a world, then its entries pooled over seeds."""
+    fmt = lambda v, f=".3f": "-" if v is None else format(v, f)  # noqa: E731
+    lines = [f"## Named drafters, {world}", "",
+             "Each trained from the logit cache (lisa named-drafter). Held-out: 512 test sequences, TTT step 0 (a "
+             "draft's first token): the target mass on the drafter's top-4, sum_x min(p, q) on the conditional rows "
+             "and under the world's CFG (the acceptance of one sampled draft under exact); rise: its change over the "
+             "last 20% of steps. tau / speedup: exact on the sampled tree against vanilla, interleaved, eager.", "",
+             "| drafter | architecture | loss | guided | seed | steps | train min | top-4 mass | overlap | overlap CFG "
+             "| rise (overlap CFG) | tau | vanilla ms | exact ms | speedup |", "|" + "---|" * 15]
+    for name, r in runs.items():
+        e, c, h = r["entry"], r["config"], r["heldout"]
+        arch = f"D {c['dim']}, ffn {c['ffn_dim']}" + (f", head rank {c['head_rank']}" if c.get("head_rank") else "")
+        lines.append(f"| {name} | {arch} | {e['loss']} | {e['guided']:g} | {r['seed']} | {r['steps']} | "
+                     f"{r['train']['train_s'] / 60:.1f} | {h['heldout_topk_mass'][0]:.3f} | {h['heldout_overlap'][0]:.3f} | "
+                     f"{h['heldout_overlap_cfg'][0]:.3f} | {fmt(r['rise_last_20pct'].get('heldout_overlap_cfg_s0'), '+.2%')} "
+                     f"| {r['tau']:.2f} | {r['ms_per_image']['vanilla']:.0f} | {r['ms_per_image']['exact']:.0f} | "
+                     f"{r['speedup_eager']:.2f}x |")
+    lines += ["", "Pooled over seeds (mean, +- the 95% t-interval's half-width over seeds; - with one seed):", "",
+              "| entry | seeds | tau | speedup | top-4 mass | overlap | overlap CFG |", "|---|---|---|---|---|---|---|"]
+    for label, g in groups.items():
+        cell = lambda k: f"{g[k]['mean']:.3f}" + (f" +- {g[k]['ci95']:.3f}" if g[k]["ci95"] is not None else "")  # noqa: E731
+        lines.append(f"| {label} | {', '.join(map(str, g['seeds']))} | {cell('tau')} | {cell('speedup_eager')} | "
+                     f"{cell('topk_mass_s0')} | {cell('overlap_s0')} | {cell('overlap_cfg_s0')} |")
+    return lines
+
+
+def drafter_curves_figure(world: str, curves: dict):
+    """drafter-table's plot: each named drafter's held-out overlap (unguided, guided) against its training steps."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    for name, df in curves.items():
+        for ax, col in zip(axes, ("heldout_overlap_s0", "heldout_overlap_cfg_s0")):
+            if col in df:
+                ax.plot(df["step"], df[col], label=name)
+    for ax, title in zip(axes, ("sum_x min(p, q), conditional rows", "sum_x min(p, q), guided (the world's CFG)")):
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("training step")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel(f"{world}: held-out, TTT step 0")
+    axes[1].legend(fontsize=8)
+    return _figure_writer(fig)
+
+
 def ddp_markdown(world: str, steps: int, rows: list[dict]) -> list[str]:
     """bench-ddp's table: steps/s of each run against 1 process with 2 threads."""
     lines = [f"## Drafter training throughput, {world} ({steps} steps each, same global batch)", "",

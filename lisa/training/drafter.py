@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from lisa.checkpoint import atomic_write
 from lisa.config import seed_for
+from lisa.decoding.sampling import cfg_logits, logits_to_probs
 from lisa.models.drafter import DrafterConfig, Eagle3Drafter
 from lisa.models.gpt import Transformer
 from lisa.training.loops import load_resume, lr_at, read_resume, save_resume
@@ -106,6 +107,47 @@ def lid_loss_fn(codebook: Tensor, cfg, step: int) -> Callable[[CachedTargets, Te
                        target.topk_logit.reshape(-1, target.topk_logit.shape[-1]), target.lse.reshape(-1), codebook,
                        cfg, step)
         return out.per_position.reshape(shape)
+
+    return fn
+
+
+@dataclass
+class GuidedTargets:
+    """Labels of a batch of CFG pairs (rows 0..B-1 conditional, B..2B-1 their unconditional twins on the same
+    tokens): each row's own distribution (top-K, as a logit cache holds it) and the guided one per pair (B, T, V)."""
+    halves: CachedTargets  # (2B, T, K)
+    guided: Tensor  # (B, T, V) probabilities
+
+    def __getitem__(self, key) -> "GuidedTargets":
+        return GuidedTargets(self.halves[key], self.guided[key])
+
+    def argmax(self, dim: int = -1) -> Tensor:
+        return self.halves.argmax()
+
+
+def cached_targets(logits: Tensor, K: int) -> CachedTargets:
+    """A target's logits (..., V) as a logit cache holds them: top-K ids and logits, logsumexp."""
+    top = logits.float().topk(K, -1)
+    return CachedTargets(top.indices, top.values, logits.float().logsumexp(-1))
+
+
+def guided_probs(logits: Tensor, sampling) -> Tensor:
+    """Logits of CFG pairs (2B, ..., V), conditional rows first -> the distribution sampling draws from (B, ..., V):
+    guided at sampling.cfg_scale, then its temperature, top-k and top-p (lisa.decoding.sampling)."""
+    g = cfg_logits(logits.float(), sampling.cfg_scale)
+    return logits_to_probs(g, sampling.temperature, sampling.top_k, sampling.top_p)
+
+
+def guided_loss_fn(halves_fn: Callable, sampling, weight: float) -> Callable[[GuidedTargets, Tensor], Tensor]:
+    """A per-row loss for CFG pairs: (1 - weight) x each row's own loss (halves_fn: cached_soft_ce or LID) + weight x
+    the soft CE from the target's guided distribution to the drafter's (its logits guided at sampling.cfg_scale
+    and tempered, as sampled drafting draws them; unfiltered, so that every code keeps a gradient); a pair's guided
+    term is counted on both of its rows, so the batch mean weighs it once per pair."""
+
+    def fn(target: GuidedTargets, logits: Tensor) -> Tensor:
+        own = halves_fn(target.halves, logits)
+        g = soft_ce(target.guided, cfg_logits(logits.float(), sampling.cfg_scale) / sampling.temperature)
+        return (1 - weight) * own + weight * torch.cat([g, g])
 
     return fn
 
@@ -184,18 +226,24 @@ def train_device() -> torch.device:
     return torch.device("cpu")
 
 
-def curve_columns(ttt_steps: int) -> tuple[list[str], list[str]]:
-    """Columns of train.csv and heldout.csv."""
+# the held-out metrics (heldout_ttt's, then heldout_overlap's), in heldout.csv's order
+HELDOUT_KEYS = ("heldout_soft_ce", "heldout_top1_agreement", "heldout_topk_mass", "heldout_overlap",
+                "heldout_overlap_cfg")
+
+
+def curve_columns(ttt_steps: int, overlap: bool = False) -> tuple[list[str], list[str]]:
+    """Columns of train.csv and heldout.csv (with `overlap`: heldout_overlap's too)."""
     per = lambda name: [f"{name}_s{s}" for s in range(ttt_steps)]
-    return (["step", "lr", "loss"] + per("loss") + per("top1"),
-            ["step"] + per("heldout_soft_ce") + per("heldout_top1") + per("heldout_topk_mass"))
+    held = ["heldout_soft_ce", "heldout_top1", "heldout_topk_mass"]
+    held += ["heldout_overlap", "heldout_overlap_cfg"] if overlap else []
+    return ["step", "lr", "loss"] + per("loss") + per("top1"), ["step"] + sum((per(h) for h in held), [])
 
 
 def write_curves(out: Path, log: list, held: list, ttt_steps: int):
     """train.csv and heldout.csv under out (atomic), for `dvc plots`."""
     import pandas as pd
 
-    train_cols, held_cols = curve_columns(ttt_steps)
+    train_cols, held_cols = curve_columns(ttt_steps, bool(held) and len(held[0]) > 1 + 3 * ttt_steps)
     for name, rows, cols in (("train.csv", log, train_cols), ("heldout.csv", held, held_cols)):
         df = pd.DataFrame(rows, columns=cols).astype({"step": int})
         atomic_write(out / name, lambda tmp: df.to_csv(tmp, index=False, float_format="%.5g"))
@@ -204,7 +252,8 @@ def write_curves(out: Path, log: list, held: list, ttt_steps: int):
 def train_drafter(drafter: Eagle3Drafter, target: Transformer, tokens: Tensor, cond: Tensor, test_tokens: Tensor,
                   test_cond: Tensor, cfg, work_dir: str | Path, progress: bool = True,
                   loss_fn: Callable[[Tensor, Tensor], Tensor] = soft_ce, cache=None,
-                  lid: Optional[tuple] = None, curves: Optional[Path] = None, target_id: str = "") -> dict:
+                  lid: Optional[tuple] = None, curves: Optional[Path] = None, target_id: str = "",
+                  guided: Optional[tuple] = None, overlap: Optional[object] = None) -> dict:
     """Train on (tokens (N, T), cond); resumable from work_dir/resume.pt (only by a run against the same target:
     `target_id`, e.g. its sha256, is kept in the resume file). Returns held-out TTT metrics.
 
@@ -212,6 +261,13 @@ def train_drafter(drafter: Eagle3Drafter, target: Transformer, tokens: Tensor, c
     conditional and unconditional passes), labels are its top-K, and the target runs only up to its highest
     tapped block for the drafter's features. The loss is then the top-K soft CE (baseline), or LISA's LID with
     lid = (codebook (V, D), lisa.training.distill.LIDConfig).
+
+    guided = (sampling, weight), with a cache: CFG-aware distillation. Each micro-batch takes half its drawn cache
+    rows' sequences, each as a conditional row and its unconditional twin on the same tokens; the target runs
+    whole on them (its own top-K replaces the cache's labels: the same labels on the conditional rows) and the
+    loss is `guided_loss_fn` (the rows' own loss, baseline or LID, and the guided soft CE, mixed by weight).
+    overlap: a SamplingConfig: heldout.csv and the result also carry `heldout_overlap` (sum_x min(p, q), the
+    acceptance of one sampled draft under exact) per TTT step, unguided and guided (`heldout_overlap_cfg`).
 
     Distributed: under torchrun (an initialised process group) the drafter is wrapped in DDP; every rank draws the
     same global batch of cfg.batch_size rows from (seed, step) and takes its 1/world share, split further into
@@ -248,12 +304,14 @@ def train_drafter(drafter: Eagle3Drafter, target: Transformer, tokens: Tensor, c
     step, extra = load_resume(resume, drafter, opt, cfg)
     extra.pop("target_id", None)
     elapsed, t0 = float(extra.get("elapsed_s", 0.0)), time.perf_counter()
-    train_cols, held_cols = curve_columns(cfg.ttt_steps)
+    train_cols, held_cols = curve_columns(cfg.ttt_steps, overlap is not None)
     log = extra.get("curve", torch.zeros(0, len(train_cols))).tolist()
     held = extra.get("heldout_curve", torch.zeros(0, len(held_cols))).tolist()
     taps, C = tuple(drafter.config.taps), target.config.cls_token_num
     module = TTTLoss(drafter, cfg.ttt_steps, cfg.ttt_decay, C, cfg.ttt == "incremental")
     codebook = lid[0].to(device) if lid is not None else None
+    if guided is not None and (cache is None or micro < 2):
+        raise ValueError("guided distillation needs a logit cache and micro-batches of at least 2 rows")
     model = torch.nn.parallel.DistributedDataParallel(module) if world > 1 else module
     gen = torch.Generator()
     drafter.train()
@@ -276,7 +334,18 @@ def train_drafter(drafter: Eagle3Drafter, target: Transformer, tokens: Tensor, c
             share = slice((rank * cfg.grad_accum + m) * micro, (rank * cfg.grad_accum + m + 1) * micro)
             rows = idx[share]
             with torch.no_grad(), torch.autocast(device.type, amp, enabled=amp is not None):
-                if cache is None:
+                if guided is not None:  # CFG pairs: each drawn sequence conditional, then unconditional
+                    half = rows[: len(rows) // 2]
+                    t, c = cache.token[half].to(device), cond[cache.seq[half]].to(device)
+                    batch_tokens = torch.cat([t, t])
+                    drop = torch.arange(2 * len(half), device=device) >= len(half)
+                    out = target.teacher_forced(torch.cat([c, c]), batch_tokens, drop, taps=taps)
+                    hidden = out.hidden
+                    p = GuidedTargets(cached_targets(out.logits, cache.topk_idx.shape[-1]),
+                                      guided_probs(out.logits, guided[0]))
+                    own = lid_loss_fn(codebook, lid[1], step) if lid is not None else cached_soft_ce
+                    step_loss = guided_loss_fn(own, guided[0], guided[1])
+                elif cache is None:
                     batch_tokens = tokens[rows].to(device)
                     hidden, p = target_features(target, cond[rows].to(device), batch_tokens, drop[share].to(device),
                                                 taps)
@@ -306,8 +375,11 @@ def train_drafter(drafter: Eagle3Drafter, target: Transformer, tokens: Tensor, c
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and rank == 0:
             drafter.eval()
             h = heldout_ttt(drafter, target, test_tokens[: cfg.eval_sequences], test_cond[: cfg.eval_sequences], cfg)
+            if overlap is not None:
+                h |= heldout_overlap(drafter, target, test_tokens[: cfg.eval_sequences],
+                                     test_cond[: cfg.eval_sequences], cfg, overlap)
             drafter.train()
-            held.append([step + 1] + h["heldout_soft_ce"] + h["heldout_top1_agreement"] + h["heldout_topk_mass"])
+            held.append([step + 1] + sum((h[k] for k in HELDOUT_KEYS[: (len(held_cols) - 1) // cfg.ttt_steps]), []))
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
             if rank == 0:
                 save_resume(resume, drafter, opt, cfg, step + 1,
@@ -325,7 +397,10 @@ def train_drafter(drafter: Eagle3Drafter, target: Transformer, tokens: Tensor, c
         return out
     if curves is not None:
         write_curves(Path(curves), log, held, cfg.ttt_steps)
-    return heldout_ttt(drafter, target, test_tokens, test_cond, cfg) | out
+    final = heldout_ttt(drafter, target, test_tokens, test_cond, cfg)
+    if overlap is not None:
+        final |= heldout_overlap(drafter, target, test_tokens, test_cond, cfg, overlap)
+    return final | out
 
 
 @torch.no_grad()
@@ -355,6 +430,40 @@ def heldout_ttt(drafter: Eagle3Drafter, target: Transformer, tokens: Tensor, con
         n += len(t)
     return {"heldout_soft_ce": (tot_l / n).tolist(), "heldout_top1_agreement": (tot_a / n).tolist(),
             "heldout_topk_mass": (tot_m / n).tolist()}
+
+
+@torch.no_grad()
+def heldout_overlap(drafter: Eagle3Drafter, target: Transformer, tokens: Tensor, cond: Tensor, cfg,
+                    sampling) -> dict:
+    """Held-out sum_x min(p, q) per TTT step: the acceptance of one sampled draft under exact verification, with p
+    and q the target's and the drafter's distributions as `sampling` draws them (temperature, top-k, top-p):
+    `heldout_overlap` on the conditional rows alone, `heldout_overlap_cfg` guided at sampling.cfg_scale (each
+    sequence's conditional row and its unconditional twin, both drafted as decoding drafts them)."""
+    taps, C = tuple(drafter.config.taps), target.config.cls_token_num
+    device = next(drafter.parameters()).device
+    S = cfg.ttt_steps
+    probs = lambda lg: logits_to_probs(lg.float(), sampling.temperature, sampling.top_k, sampling.top_p)  # noqa: E731
+    tot, tot_g, n = torch.zeros(S), torch.zeros(S), 0
+    for i in range(0, len(tokens), cfg.eval_batch_size):
+        t, c = tokens[i : i + cfg.eval_batch_size].to(device), cond[i : i + cfg.eval_batch_size].to(device)
+        B = len(t)
+        drop = torch.arange(2 * B, device=device) >= B
+        out = target.teacher_forced(torch.cat([c, c]), torch.cat([t, t]), drop, taps=taps)
+        p, p_g = probs(out.logits[:B]), guided_probs(out.logits, sampling)
+        step = []
+
+        def overlaps(_, logits):  # called once per TTT step s, in order: logits (2B, T-1, V)
+            s = len(step)
+            q, q_g = probs(logits[:B]), guided_probs(logits, sampling)
+            step.append((torch.minimum(p[:, 1:][:, s:], q[:, s:]).sum(-1).mean().item(),
+                         torch.minimum(p_g[:, 1:][:, s:], q_g[:, s:]).sum(-1).mean().item()))
+            return logits.new_zeros(logits.shape[:-1])
+
+        ttt_losses(drafter, out.hidden, out.logits, torch.cat([t, t]), S, C, overlaps, cfg.ttt == "incremental")
+        tot += torch.tensor([a for a, _ in step]) * B
+        tot_g += torch.tensor([b for _, b in step]) * B
+        n += B
+    return {"heldout_overlap": (tot / n).tolist(), "heldout_overlap_cfg": (tot_g / n).tolist()}
 
 
 def new_drafter(target: Transformer, **overrides) -> Eagle3Drafter:
