@@ -99,19 +99,12 @@ def test_taps_only_forward_matches_the_full_one():
 def test_training_from_a_logit_cache_learns(tmp_path, loss):
     """Labels from the Parquet logit cache (top-K), target run up to its highest tap: the baseline loss and
     LISA's LID both teach the drafter the target."""
-    from lisa.training.cache import CacheSpec, open_cache, write_cache, write_manifest
     from lisa.training.distill import LIDConfig
     from lisa.training.drafter import heldout_ttt
 
-    torch.manual_seed(0)
-    target = micro_gpt(vocab_size=16)
-    with torch.no_grad():
-        target.output.weight.mul_(30)
+    target = peaked_target()
     tokens, cond = data(target)
-    spec = CacheSpec(K=8, shard_size=32, batch_size=16, uncond_every=10)
-    write_cache(target, "t" * 64, tokens, cond, spec, tmp_path / "cache", progress=False)
-    write_manifest(tmp_path / "cache", "t" * 64, spec, len(tokens), tokens.shape[1])
-    cache = open_cache(tmp_path / "cache", "t" * 64)
+    cache = micro_cache(tmp_path, target, tokens, cond)
     cfg = TrainDrafterParams(steps=40, batch_size=16, lr=3e-3, warmup=2, checkpoint_every=40, eval_batch_size=32,
                              ttt_steps=2)
     torch.manual_seed(0)
@@ -123,6 +116,16 @@ def test_training_from_a_logit_cache_learns(tmp_path, loss):
                       cache=cache, lid=lid)
     assert m["heldout_soft_ce"][0] < before["heldout_soft_ce"][0] - 0.1
     assert m["heldout_top1_agreement"][0] > before["heldout_top1_agreement"][0]
+
+
+def micro_cache(tmp_path, target, tokens, cond):
+    """A logit cache of the target over (tokens, cond): top-8, every 10th sequence also unconditional."""
+    from lisa.training.cache import CacheSpec, open_cache, write_cache, write_manifest
+
+    spec = CacheSpec(K=8, shard_size=32, batch_size=16, uncond_every=10)
+    write_cache(target, "t" * 64, tokens, cond, spec, tmp_path / "cache", progress=False)
+    write_manifest(tmp_path / "cache", "t" * 64, spec, len(tokens), tokens.shape[1])
+    return open_cache(tmp_path / "cache", "t" * 64)
 
 
 def peaked_target():
@@ -288,16 +291,12 @@ def test_guided_distillation_learns_the_guided_distribution(tmp_path, lid):
     """CFG-aware training (pairs of conditional / unconditional rows from the logit cache's sequences, the target's
     guided distribution as label) raises the held-out guided overlap, alone and with LID on the rows; the curves
     carry the overlap columns."""
-    from lisa.training.cache import CacheSpec, open_cache, write_cache, write_manifest
     from lisa.training.distill import LIDConfig
     from lisa.training.drafter import heldout_overlap
 
     target = peaked_target()
     tokens, cond = data(target)
-    spec = CacheSpec(K=8, shard_size=32, batch_size=16, uncond_every=10)
-    write_cache(target, "t" * 64, tokens, cond, spec, tmp_path / "cache", progress=False)
-    write_manifest(tmp_path / "cache", "t" * 64, spec, len(tokens), tokens.shape[1])
-    cache = open_cache(tmp_path / "cache", "t" * 64)
+    cache = micro_cache(tmp_path, target, tokens, cond)
     cfg = TrainDrafterParams(steps=30, batch_size=16, lr=3e-3, warmup=2, checkpoint_every=30, eval_batch_size=32,
                              ttt_steps=2, eval_every=15, eval_sequences=16)
     s = SamplingConfig(temperature=1.0, cfg_scale=3.0)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from lisa.checkpoint import atomic_write_all, file_sha256, json_writer, save_artifact, write_json
-from lisa.config import (AblateArchParams, AblateLIDParams, CacheLogitsParams, CalibrateParams, DrafterArch,
+from lisa.config import (AblateArchParams, AblateLIDParams, ArchEntry, CacheLogitsParams, CalibrateParams, DrafterArch,
                          DraftersParams, LIDConfig, SampleParams, TrainDrafterParams, WorldParams, seed_for)
 from lisa.decoding.methods import tree_spec
 from lisa.decoding.sampling import sampling_config
@@ -179,6 +179,22 @@ def _against_vanilla(target, drafter, cond: torch.Tensor, sampling, spec, seed: 
     return tokens / max(forwards, 1), seconds
 
 
+def _cache_inputs(paths: WorldPaths) -> tuple:
+    """(target, its sidecar, its logit cache, the world's codes): what a drafter trained from the cache reads."""
+    target, target_meta = load_target(paths.target_file)
+    lc = cache.open_cache(paths.cache_dir, target_meta["sha256"], paths.cache_identity)
+    return target, target_meta, lc, load_codes(paths.codes_file, target.config.model_type)
+
+
+def _entry_params(train_p: TrainDrafterParams, entry: ArchEntry, steps: int) -> TrainDrafterParams:
+    """train_drafter's settings with an entry's architecture, TTT form, steps (`steps` where it sets none) and, a
+    named drafter's, seed."""
+    arch = {f.name: getattr(entry, f.name) for f in dataclasses.fields(DrafterArch)}
+    seed = getattr(entry, "seed", None)
+    return dataclasses.replace(train_p, steps=entry.steps or steps, ttt=entry.ttt or train_p.ttt,
+                               seed=train_p.seed if seed is None else seed, **arch)
+
+
 def ablate_arch(world: WorldParams, train_p: TrainDrafterParams, p: AblateArchParams, sample_p: SampleParams,
                 paths: WorldPaths, drafter: str) -> dict:
     """One drafter architecture of ablate_arch.drafters, trained as ablate-lid's baseline (the logit cache,
@@ -193,12 +209,8 @@ def ablate_arch(world: WorldParams, train_p: TrainDrafterParams, p: AblateArchPa
     if drafter not in p.drafters:
         raise ValueError(f"ablate-arch: no drafter {drafter!r} in ablate_arch.drafters {sorted(p.drafters)}")
     arch = p.drafters[drafter]
-    target, target_meta = load_target(paths.target_file)
-    lc = cache.open_cache(paths.cache_dir, target_meta["sha256"], paths.cache_identity)
-    d = load_codes(paths.codes_file, target.config.model_type)
-    fields = dataclasses.asdict(arch)
-    tp = dataclasses.replace(train_p, steps=fields.pop("steps") or p.steps, ttt=fields.pop("ttt") or train_p.ttt,
-                             **fields)
+    target, target_meta, lc, d = _cache_inputs(paths)
+    tp = _entry_params(train_p, arch, p.steps)
     torch.manual_seed(tp.seed)
     model = new_drafter(target, **tp.overrides())
     m = train(model, target, d["train_tokens"], d["train_cond"], d["test_tokens"][:512], d["test_cond"][:512], tp,
@@ -246,12 +258,8 @@ def named_drafter(world: WorldParams, train_p: TrainDrafterParams, p: DraftersPa
     if drafter not in p.named:
         raise ValueError(f"named-drafter: no drafter {drafter!r} in drafters.named {sorted(p.named)}")
     entry = p.named[drafter]
-    target, target_meta = load_target(paths.target_file)
-    lc = cache.open_cache(paths.cache_dir, target_meta["sha256"], paths.cache_identity)
-    d = load_codes(paths.codes_file, target.config.model_type)
-    arch = {f.name: getattr(entry, f.name) for f in dataclasses.fields(DrafterArch)}
-    tp = dataclasses.replace(train_p, steps=entry.steps or train_p.steps, ttt=entry.ttt or train_p.ttt,
-                             seed=train_p.seed if entry.seed is None else entry.seed, **arch)
+    target, target_meta, lc, d = _cache_inputs(paths)
+    tp = _entry_params(train_p, entry, train_p.steps)
     sampling, spec = sampling_config(world, p), tree_spec(p, "exact")
     loss = None
     if entry.loss == "lid":
