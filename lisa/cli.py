@@ -290,6 +290,9 @@ COMMANDS = {
                       "unguided and guided) and tau / ms per image against vanilla under exact; methods draft with "
                       "it by `drafter: <name>` -> data/drafters/<world>/<drafter>.safetensors, "
                       "reports/drafters/<world>/<drafter>.json and curves", ["named", "report", "work"]),
+    "drafter-reference": ("the release and LID drafters measured as named-drafter measures its own (held-out "
+                          "acceptance, tau / ms per image against vanilla): drafter-table's reference rows "
+                          "-> reports/drafters/<world>/{release,lid}.json", []),
     "drafter-table": ("a world's named drafters side by side (held-out acceptance, tau, speedup), the seeds of an "
                       "entry pooled with 95%% t-intervals, the held-out overlap curves "
                       "-> reports/drafters/<world>.{md,json,png}", []),

@@ -97,6 +97,10 @@ def test_named_drafters_are_checked_at_load():
     raw["table"]["cells"]["typo"] = {"method": "exact", "drafter": "cheep"}
     with pytest.raises(ConfigError, match=r"'drafter' in section 'table.cells.typo'.*'cheep'.*drafters.named \['cfg'\]"):
         parse_params(raw)
+    raw = micro()
+    raw["drafters"]["named"]["lid"] = {"ffn_dim": 0}
+    with pytest.raises(ConfigError, match=r"section 'drafters.named': \['lid'\] name the drafters of train-drafter"):
+        parse_params(raw)
     for run, match in (({"world": "mars", "drafter": "cfg"}, "unknown world 'mars'"),
                        ({"world": "fashion-c2i", "drafter": "cheep"}, "no drafter 'cheep'"),
                        ({"world": "emoji-t2i", "drafter": "cfg"}, "key must be <world>-<drafter>: emoji-t2i-cfg")):

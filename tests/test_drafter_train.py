@@ -323,8 +323,9 @@ def test_plateau_rise():
 
 
 def test_drafter_table_pools_seeds(tmp_path):
-    """drafter-table: one row per run, the seeds of an entry pooled (mean and 95% t-interval over seeds); a run
-    without its report is an error naming the file and the command that writes it."""
+    """drafter-table: the reference rows (release, LID), then one row per run, the seeds of an entry pooled (mean and
+    95% t-interval over seeds); a drafter without its report is an error naming the file and the command that
+    writes it."""
     import json
 
     import yaml
@@ -340,12 +341,16 @@ def test_drafter_table_pools_seeds(tmp_path):
                                 "fashion-c2i-base": {"world": "fashion-c2i", "drafter": "base"}}
     p, paths = parse_params(raw), WorldPaths.of("fashion-c2i", tmp_path)
     assert seed_groups(p.drafters, "fashion-c2i") == {"cfg": ["cfg", "cfg-s1"], "base": ["base"]}
-    with pytest.raises(FileNotFoundError, match=r"cfg.json: no report .*lisa named-drafter --world fashion-c2i"):
+    with pytest.raises(FileNotFoundError, match=r"release.json: no report .*lisa drafter-reference --world fashion"):
         drafter_table(p.drafters, paths)
-    taus = {"cfg": 2.0, "cfg-s1": 2.2, "base": 1.8}
+    taus = {"release": 1.9, "lid": 1.7, "cfg": 2.0, "cfg-s1": 2.2, "base": 1.8}
     for i, (name, tau) in enumerate(taus.items()):
+        if name == "cfg":
+            with pytest.raises(FileNotFoundError, match=r"cfg.json: no report .*lisa named-drafter --drafter cfg"):
+                drafter_table(p.drafters, paths)
         held = {k: [0.3 + i / 10, 0.2] for k in ("heldout_topk_mass", "heldout_overlap", "heldout_overlap_cfg")}
-        report = {"entry": {"loss": "lid", "guided": 0.5}, "config": {"dim": 32, "ffn_dim": 0}, "seed": i,
+        report = {"entry": {"loss": "lid", "guided": 0.5} | ({"reference": True} if i < 2 else {}),
+                  "config": {"dim": 32, "ffn_dim": None if i < 2 else 0}, "seed": i - 2,
                   "steps": 4, "train": {"train_s": 60.0}, "heldout": held | {"heldout_soft_ce": [1.0, 1.1]},
                   "rise_last_20pct": {"heldout_overlap_cfg_s0": 0.001}, "tau": tau,
                   "ms_per_image": {"vanilla": 10.0, "exact": 5.0}, "speedup_eager": 2.0}
@@ -356,9 +361,10 @@ def test_drafter_table_pools_seeds(tmp_path):
     drafter_table(p.drafters, paths)
     out = json.loads(paths.named_report.with_suffix(".json").read_text())
     g = out["groups"]["cfg"]
-    assert g["tau"]["mean"] == pytest.approx(2.1) and g["seeds"] == [0, 1]
+    assert g["tau"]["mean"] == pytest.approx(2.1) and g["seeds"] == [0, 1] and set(out["groups"]) == {"cfg", "base"}
     assert g["tau"]["ci95"] == pytest.approx(12.706 * 0.1, rel=1e-3)  # t(0.975, 1) x sd (0.1 x sqrt 2) / sqrt 2
     assert out["groups"]["base"]["tau"]["ci95"] is None
     md = paths.named_report.with_suffix(".md").read_text()
     assert "| cfg | 0, 1 | 2.100 +- 1.271 |" in md and "| base | 2 | 1.800 |" in md
+    assert "| release (reference) | D 32, ffn SwiGLU | lid |" in md
     assert paths.named_report.with_suffix(".png").stat().st_size > 0

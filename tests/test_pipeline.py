@@ -15,12 +15,12 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 STAGES = ["build-dataset", "train-tokenizer", "encode", "train-target", "init-tokenizer", "init-target", "sample",
           "premise", "fid-reference", "train-judge", "evaluate", "train-drafter", "cache-logits", "ablate-lid",
-          "ablate-arch", "named-drafter", "drafter-table",
+          "ablate-arch", "named-drafter", "drafter-reference", "drafter-table",
           "laion-fixture", "build-laion-coco", "build-self-generated", "calibrate", "eval-method",
           "table", "bench", "bench-spec", "sweep", "quality-point", "scoreboard"]
 DAG = ["build-dataset", "train-tokenizer", "encode", "train-target", "sample", "premise", "fid-reference",
        "train-judge", "evaluate", "train-drafter", "cache-logits", "ablate-lid", "ablate-arch", "named-drafter",
-       "drafter-table", "bench-spec",
+       "drafter-reference", "drafter-table", "bench-spec",
        "laion-fixture", "build-laion-coco", "build-self-generated", "calibrate", "eval-method", "table", "summary",
        "bench", "sweep", "quality-point", "scoreboard"]
 
@@ -114,7 +114,10 @@ def test_dvc_repro_micro(tmp_path, micro_built):
             "loss": "lid", "guided": 0.5}
         assert all(0 < x <= 1 for x in named["heldout"]["heldout_overlap_cfg"])
         assert (repo / f"data/drafters/{world}/cfg.safetensors").is_file()
-        assert "| cfg |" in (repo / f"reports/drafters/{world}.md").read_text()
+        table = (repo / f"reports/drafters/{world}.md").read_text()
+        assert "| cfg |" in table and "| release (reference) |" in table and "| lid (reference) |" in table
+        ref = json.loads((repo / f"reports/drafters/{world}/release.json").read_text())
+        assert ref["steps"] == 4 and ref["tau"] >= 1.0 and len(ref["heldout"]["heldout_overlap_cfg"]) == 2
         cfg_family = json.loads((repo / f"reports/scoreboard/{world}/sweep/exact-sampled-cfg.json").read_text())
         assert cfg_family["points"][0]["lossless"] and cfg_family["points"][0]["tau"] >= 1.0
         reads = json.loads((repo / f"data/methods/{world}/families/exact-sampled-cfg.json").read_text())["reads"]
@@ -228,6 +231,7 @@ def test_dvc_repro_lumina_world(tmp_path):
     from dataclasses import asdict
 
     params["scoreboard"]["points"] = {}  # the profile's points name its own worlds
+    params["drafters"]["runs"] = {"lumina-micro-cfg": {"world": "lumina-micro", "drafter": "cfg"}}  # and its runs
     params["worlds"] = {"lumina-micro": {
         "dataset": {"name": "coco", "image_size": 16, "path": str(train), "captions": str(train_caps),
                     "test_path": str(val), "test_captions": str(val_caps)},
@@ -257,6 +261,8 @@ def test_dvc_repro_lumina_world(tmp_path):
         c = json.loads((repo / f"reports/quality/{w}/methods/{cell}.json").read_text())
         assert c["samples"] == 8 and c["fid"] > 0
     assert f"## {w}" in (repo / "reports/table.md").read_text()
+    named = json.loads((repo / f"reports/drafters/{w}/cfg.json").read_text())  # LID + CFG-aware on an lm target
+    assert named["tau"] >= 1.0 and all(0 < x <= 1 for x in named["heldout"]["heldout_overlap_cfg"])
     gen = json.loads((repo / f"reports/corpora/self-generated-{w}.json").read_text())
     assert gen["sequences"] == 8
 

@@ -30,6 +30,7 @@ FUNCTIONS = {
     "ablate-lid": (drafter, "ablate_lid", tasks.ablate_lid),
     "ablate-arch": (drafter, "ablate_arch", tasks.ablate_arch),
     "named-drafter": (drafter, "named_drafter", tasks.named_drafter),
+    "drafter-reference": (drafter, "drafter_reference", tasks.drafter_reference),
     "drafter-table": (drafter, "drafter_table", tasks.drafter_table),
     "calibrate": (drafter, "calibrate", tasks.calibrate),
     "bench-ddp": (drafter, "bench_ddp", tasks.bench_ddp),

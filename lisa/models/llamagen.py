@@ -41,10 +41,11 @@ def load_drafter(path: str | Path, target_meta: Optional[dict] = None) -> tuple[
     model, meta = load_artifact(path, "drafter", build_drafter)
     trained_on = meta.get("made_from", {}).get("target_sha256")
     if target_meta is not None and trained_on != target_meta["sha256"]:
-        lid = "loss" in meta.get("made_from", {})  # ablate-lid's drafters record their loss (baseline, lid)
+        made = meta.get("made_from", {})  # named-drafter's record their name; ablate-lid's their loss
+        how = (f"named-drafter --drafter {made['named']}" if "named" in made else
+               "ablate-lid" if "loss" in made else "train-drafter")
         raise CheckpointError(f"{path}: drafter trained against target {trained_on}, but the target given has "
-                              f"sha256 {target_meta['sha256']}: retrain it "
-                              f"(`lisa {'ablate-lid' if lid else 'train-drafter'} --world W`)")
+                              f"sha256 {target_meta['sha256']}: retrain it (`lisa {how} --world W`)")
     return model.eval(), meta
 
 

@@ -260,7 +260,7 @@ def named_drafter(world: WorldParams, train_p: TrainDrafterParams, p: DraftersPa
     entry = p.named[drafter]
     target, target_meta, lc, d = _cache_inputs(paths)
     tp = _entry_params(train_p, entry, train_p.steps)
-    sampling, spec = sampling_config(world, p), tree_spec(p, "exact")
+    sampling = sampling_config(world, p)
     loss = None
     if entry.loss == "lid":
         vq, _ = load_tokenizer(paths.tokenizer_file)
@@ -275,23 +275,66 @@ def named_drafter(world: WorldParams, train_p: TrainDrafterParams, p: DraftersPa
     save_artifact(model, paths.drafter_of(drafter), "drafter", model.config, step=tp.steps, seed=tp.seed,
                   made_from={"target_sha256": target_meta["sha256"], "named": drafter, "loss": entry.loss,
                              "guided": entry.guided, "cache": str(paths.cache_dir)}, extra={"metrics": m})
-    held = pd_read(curves / "heldout.csv")
-    rise = {col: plateau_rise(held[["step", col]].values.tolist(), 1)
-            for col in ("heldout_topk_mass_s0", "heldout_overlap_s0", "heldout_overlap_cfg_s0") if col in held}
-    cond = _conditions(world, target, sample_p, p.per_class)
-    tau, seconds = _against_vanilla(target, model, cond, sampling, spec, p.seed)
-    metrics = {"drafter": drafter, "world": paths.world, "entry": dataclasses.asdict(entry),
-               "config": model.config.to_dict(), "steps": tp.steps, "seed": tp.seed,
-               "trainable_params": sum(x.numel() for x in model.parameters() if x.requires_grad),
-               "train": {k: m[k] for k in ("train_s", "steps_per_s_this_run")},
-               "heldout": {k: m[k] for k in ("heldout_soft_ce", "heldout_top1_agreement", "heldout_topk_mass",
-                                             "heldout_overlap", "heldout_overlap_cfg")},
-               "rise_last_20pct": rise, "cfg_scale": sampling.cfg_scale if sampling.use_cfg else 1.0,
-               "tree": dataclasses.asdict(spec), "conditions": len(cond), "tau": tau,
-               "ms_per_image": {k: 1000 * v / len(cond) for k, v in seconds.items()},
-               "speedup_eager": seconds["vanilla"] / seconds["exact"], "target_sha256": target_meta["sha256"]}
+    metrics = _measured(world, target, target_meta, model, m, p, sample_p, drafter, paths.world,
+                        dataclasses.asdict(entry), tp.steps, tp.seed,
+                        {k: m[k] for k in ("train_s", "steps_per_s_this_run")}, _rises(curves / "heldout.csv"))
     write_json(paths.named_report / f"{drafter}.json", metrics)
     return {k: v for k, v in metrics.items() if k not in ("config", "entry", "heldout")}
+
+
+HELDOUT = ("heldout_soft_ce", "heldout_top1_agreement", "heldout_topk_mass", "heldout_overlap", "heldout_overlap_cfg")
+
+
+def _rises(heldout_csv: Path) -> dict:
+    """plateau_rise of each acceptance curve a heldout.csv holds (TTT step 0)."""
+    held = pd_read(heldout_csv)
+    return {col: plateau_rise(held[["step", col]].values.tolist(), 1)
+            for col in ("heldout_topk_mass_s0", "heldout_overlap_s0", "heldout_overlap_cfg_s0") if col in held}
+
+
+def _measured(world: WorldParams, target, target_meta: dict, model, heldout: dict, p: DraftersParams,
+              sample_p: SampleParams, drafter: str, world_name: str, entry: dict, steps, seed, train: dict,
+              rise: dict) -> dict:
+    """A drafter's report (named-drafter's and drafter-reference's): what it is and how it was trained, its
+    trainable parameters and held-out metrics, then tau and ms per image against vanilla under `exact` on the
+    section's tree."""
+    sampling, spec = sampling_config(world, p), tree_spec(p, "exact")
+    cond = _conditions(world, target, sample_p, p.per_class)
+    tau, seconds = _against_vanilla(target, model, cond, sampling, spec, p.seed)
+    return {"drafter": drafter, "world": world_name, "entry": entry, "config": model.config.to_dict(), "steps": steps,
+            "seed": seed, "trainable_params": sum(x.numel() for x in model.parameters() if x.requires_grad),
+            "train": train, "heldout": {k: heldout[k] for k in HELDOUT}, "rise_last_20pct": rise,
+            "cfg_scale": sampling.cfg_scale if sampling.use_cfg else 1.0, "tree": dataclasses.asdict(spec),
+            "conditions": len(cond), "tau": tau, "ms_per_image": {k: 1000 * v / len(cond) for k, v in seconds.items()},
+            "speedup_eager": seconds["vanilla"] / seconds["exact"], "target_sha256": target_meta["sha256"]}
+
+
+def drafter_reference(world: WorldParams, train_p: TrainDrafterParams, p: DraftersParams, sample_p: SampleParams,
+                      paths: WorldPaths) -> dict:
+    """The release drafter and ablate-lid's LID drafter measured as named-drafter measures its own: held-out
+    acceptance on the same 512 test sequences (top-k mass; sum_x min(p, q) unguided and at the world's CFG), tau
+    and ms per image against vanilla on the same conditions and seeds -> named_report/{release,lid}.json, the
+    reference rows of drafter-table."""
+    from lisa.models.llamagen import load_drafter
+    from lisa.training.drafter import heldout_overlap, heldout_ttt
+
+    target, target_meta = load_target(paths.target_file)
+    d = load_codes(paths.codes_file, target.config.model_type)
+    test_tokens, test_cond = d["test_tokens"][:512], d["test_cond"][:512]
+    sampling = sampling_config(world, p)
+    out = {}
+    for name, curves, loss in (("release", paths.drafter_curves, "baseline"),
+                               ("lid", paths.ablation_report / "lid", "lid")):
+        model, meta = load_drafter(paths.drafter_of(name), target_meta)
+        held = heldout_ttt(model, target, test_tokens, test_cond, train_p)
+        held |= heldout_overlap(model, target, test_tokens, test_cond, train_p, sampling)
+        trained = meta.get("metrics", {})
+        out[name] = _measured(world, target, target_meta, model, held, p, sample_p, name, paths.world,
+                              {"loss": loss, "guided": 0.0, "reference": True}, meta.get("step"), meta.get("seed"),
+                              {k: trained.get(k) for k in ("train_s", "steps_per_s_this_run")},
+                              _rises(curves / "heldout.csv"))
+        write_json(paths.named_report / f"{name}.json", out[name])
+    return {name: {k: r[k] for k in ("tau", "speedup_eager")} for name, r in out.items()}
 
 
 def seed_groups(p: DraftersParams, world: str) -> dict[str, list[str]]:
@@ -307,8 +350,12 @@ def seed_groups(p: DraftersParams, world: str) -> dict[str, list[str]]:
             for names in groups.values()}
 
 
+REFERENCE = ("release", "lid")  # drafter-reference's rows: the drafters that train-drafter and ablate-lid make
+
+
 def drafter_table(p: DraftersParams, paths: WorldPaths) -> dict:
-    """The world's named drafters side by side, from their named-drafter reports: architecture, loss, seed, training
+    """The world's drafters side by side, the release and LID drafters (drafter-reference) first, then the named
+    ones (their named-drafter reports): architecture, loss, seed, training
     minutes, held-out acceptance (top-k mass, sum_x min(p, q) unguided and guided) at the first TTT step, the
     curves' rise over their last 20% of steps, tau and speedup against vanilla; the seeds of one entry pooled (mean
     and 95% t-interval over seeds); the held-out guided-overlap curves -> named_report.{md,json,png}."""
@@ -317,16 +364,12 @@ def drafter_table(p: DraftersParams, paths: WorldPaths) -> dict:
     from lisa.stages.render import drafter_table_markdown, drafter_curves_figure
 
     runs = {}
-    for run in p.runs.values():
-        if run.world != paths.world:
-            continue
-        f = paths.named_report / f"{run.drafter}.json"
+    for name in REFERENCE + tuple(run.drafter for run in p.runs.values() if run.world == paths.world):
+        f = paths.named_report / f"{name}.json"
         if not f.is_file():
-            raise FileNotFoundError(f"{f}: no report of named drafter {run.drafter!r} (`lisa named-drafter --world "
-                                    f"{paths.world} --drafter {run.drafter}`)")
-        runs[run.drafter] = json.loads(f.read_text())
-    if not runs:
-        raise ValueError(f"drafters.runs has no run for world {paths.world!r}")
+            how = "drafter-reference" if name in REFERENCE else f"named-drafter --drafter {name}"
+            raise FileNotFoundError(f"{f}: no report of drafter {name!r} (`lisa {how} --world {paths.world}`)")
+        runs[name] = json.loads(f.read_text())
     metrics = {"tau": lambda r: r["tau"], "speedup_eager": lambda r: r["speedup_eager"],
                "topk_mass_s0": lambda r: r["heldout"]["heldout_topk_mass"][0],
                "overlap_s0": lambda r: r["heldout"]["heldout_overlap"][0],
@@ -339,7 +382,7 @@ def drafter_table(p: DraftersParams, paths: WorldPaths) -> dict:
             half = (float(stats.t.ppf(0.975, len(x) - 1) * x.std() / len(x) ** 0.5) if len(x) > 1 else None)
             g[key] = {"mean": x.mean().item(), "ci95": half}
         groups[label] = g
-    curves = {n: pd_read(paths.named_report / n / "heldout.csv") for n in runs}
+    curves = {n: pd_read(paths.named_report / n / "heldout.csv") for n in runs if n not in REFERENCE}
     report = {"world": paths.world, "runs": runs, "groups": groups}
     out = paths.named_report
     atomic_write_all({out.with_suffix(".json"): json_writer(report),
@@ -438,6 +481,8 @@ STAGES = {
                                                             c.params.ablate_lid.lid, c.params.sample, c.paths,
                                                             drafter),
                            out="named_dir", report="named_report", work="named_work"),
+    "drafter-reference": Stage(lambda c: drafter_reference(c.world, c.params.train_drafter, c.params.drafters,
+                                                           c.params.sample, c.paths), out="named_report"),
     "drafter-table": Stage(lambda c: drafter_table(c.params.drafters, c.paths), out="named_report"),
     "calibrate": Stage(lambda c: calibrate(c.params.calibrate, c.paths), out="calibration_dir",
                        report="calibration_report"),

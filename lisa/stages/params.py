@@ -57,6 +57,9 @@ def check_params(params: Params, source: str = "params.yaml") -> Params:
             raise ConfigError(f"{source}: world {name!r}: target vocab_size {g.vocab_size} != tokenizer "
                               f"codebook_size {v.codebook_size}")
     known = {"release", "lid", *params.drafters.named}
+    if taken := {"release", "lid"} & set(params.drafters.named):
+        raise ConfigError(f"{source}: section 'drafters.named': {sorted(taken)} name the drafters of train-drafter "
+                          f"and ablate-lid: choose another name")
     for key, run in params.drafters.runs.items():
         where = f"{source}: section 'drafters.runs.{key}'"
         if run.world not in params.worlds:

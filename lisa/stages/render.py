@@ -157,8 +157,9 @@ def ablation_markdown(results: dict, spec, sampling, steps: int, conditions: int
 def drafter_table_markdown(world: str, runs: dict, groups: dict) -> list[str]:
     """drafter-table's markdown: every named drafter of a world, then its entries pooled over seeds."""
     fmt = lambda v, f=".3f": "-" if v is None else format(v, f)  # noqa: E731
-    lines = [f"## Named drafters, {world}", "",
-             "Each trained from the logit cache (lisa named-drafter). Held-out: 512 test sequences, TTT step 0 (a "
+    lines = [f"## Drafters, {world}", "",
+             "The release drafter (train-drafter) and ablate-lid's LID drafter as references, then the named drafters, "
+             "each trained from the logit cache (lisa named-drafter). Held-out: 512 test sequences, TTT step 0 (a "
              "draft's first token): the target mass on the drafter's top-4, sum_x min(p, q) on the conditional rows "
              "and under the world's CFG (the acceptance of one sampled draft under exact); rise: its change over the "
              "last 20% of steps. tau / speedup: exact on the sampled tree against vanilla, interleaved, eager.", "",
@@ -166,9 +167,13 @@ def drafter_table_markdown(world: str, runs: dict, groups: dict) -> list[str]:
              "| rise (overlap CFG) | tau | vanilla ms | exact ms | speedup |", "|" + "---|" * 15]
     for name, r in runs.items():
         e, c, h = r["entry"], r["config"], r["heldout"]
-        arch = f"D {c['dim']}, ffn {c['ffn_dim']}" + (f", head rank {c['head_rank']}" if c.get("head_rank") else "")
-        lines.append(f"| {name} | {arch} | {e['loss']} | {e['guided']:g} | {r['seed']} | {r['steps']} | "
-                     f"{r['train']['train_s'] / 60:.1f} | {h['heldout_topk_mass'][0]:.3f} | {h['heldout_overlap'][0]:.3f} | "
+        ffn = "SwiGLU" if c["ffn_dim"] is None else c["ffn_dim"]
+        arch = f"D {c.get('width') or c['dim']}, ffn {ffn}" + (f", head rank {c['head_rank']}" if c.get("head_rank")
+                                                               else "")
+        minutes = None if r["train"].get("train_s") is None else r["train"]["train_s"] / 60
+        label = f"{name} (reference)" if e.get("reference") else name
+        lines.append(f"| {label} | {arch} | {e['loss']} | {e['guided']:g} | {r['seed']} | {r['steps']} | "
+                     f"{fmt(minutes, '.1f')} | {h['heldout_topk_mass'][0]:.3f} | {h['heldout_overlap'][0]:.3f} | "
                      f"{h['heldout_overlap_cfg'][0]:.3f} | {fmt(r['rise_last_20pct'].get('heldout_overlap_cfg_s0'), '+.2%')} "
                      f"| {r['tau']:.2f} | {r['ms_per_image']['vanilla']:.0f} | {r['ms_per_image']['exact']:.0f} | "
                      f"{r['speedup_eager']:.2f}x |")
