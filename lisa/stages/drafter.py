@@ -296,13 +296,14 @@ def _measured(world: WorldParams, target, target_meta: dict, model, heldout: dic
               sample_p: SampleParams, drafter: str, world_name: str, entry: dict, steps, seed, train: dict,
               rise: dict) -> dict:
     """A drafter's report (named-drafter's and drafter-reference's): what it is and how it was trained, its
-    trainable parameters and held-out metrics, then tau and ms per image against vanilla under `exact` on the
+    trainable parameters (all but the token embedding, the target's, frozen in training) and held-out metrics, then tau and ms per image against vanilla under `exact` on the
     section's tree."""
     sampling, spec = sampling_config(world, p), tree_spec(p, "exact")
     cond = _conditions(world, target, sample_p, p.per_class)
     tau, seconds = _against_vanilla(target, model, cond, sampling, spec, p.seed)
+    n_trained = sum(x.numel() for n, x in model.named_parameters() if not n.startswith("tok_embeddings."))
     return {"drafter": drafter, "world": world_name, "entry": entry, "config": model.config.to_dict(), "steps": steps,
-            "seed": seed, "trainable_params": sum(x.numel() for x in model.parameters() if x.requires_grad),
+            "seed": seed, "trainable_params": n_trained,
             "train": train, "heldout": {k: heldout[k] for k in HELDOUT}, "rise_last_20pct": rise,
             "cfg_scale": sampling.cfg_scale if sampling.use_cfg else 1.0, "tree": dataclasses.asdict(spec),
             "conditions": len(cond), "tau": tau, "ms_per_image": {k: 1000 * v / len(cond) for k, v in seconds.items()},
