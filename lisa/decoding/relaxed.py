@@ -93,10 +93,10 @@ def lantern(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
     if ctx.tree.sampled:  # LANTERN's neighbourhood and budget as a transport of p toward q (docs/method.md)
         edges = neighbour_edges(table[:, :k], ctx.p.device)
 
-        def relax(p_node, q, row, ctx):
-            p_node = _normalise(p_node)
-            want = torch.ones_like(p_node) if delta <= 1 else (delta - 1) * p_node
-            return transport(p_node, q, edges, want, budget=delta if delta <= 1 else None)
+        def relax(p_rows, q, rows, ctx):  # (B, S, V) at the nodes rows (B, S)
+            p_rows = _normalise(p_rows)
+            want = torch.ones_like(p_rows) if delta <= 1 else (delta - 1) * p_rows
+            return _transport_rows(p_rows, q, edges, want, budget=delta if delta <= 1 else None)
 
         return walk_sampled(ctx, generator, relax)
 
@@ -243,6 +243,16 @@ def gasv_scores(logits: Tensor, p: Tensor, cal, kappa: float, lam: float, a_kapp
     return torch.maximum(g_geo, g_clu).reshape(B, S, V)
 
 
+def _rows(x: Tensor, rows: Tensor) -> Tensor:
+    """x (B, N, V) at rows (B, S) -> (B, S, V)."""
+    return x.gather(1, rows[..., None].expand(-1, -1, x.shape[-1]))
+
+
+def _transport_rows(r: Tensor, q: Tensor, edges, want: Tensor, budget: Optional[float] = None) -> Tensor:
+    """`transport` of r, q, want (B, S, V): every (row, node) at once."""
+    return transport(r.flatten(0, 1), q.flatten(0, 1), edges, want.flatten(0, 1), budget).view_as(r)
+
+
 def gasv(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
     """LISA's geometry-aware soft verification (see the block above): needs the raw guided logits and a
     calibration (geometry.calibration, `lisa calibrate`). Options: GASVOptions."""
@@ -258,8 +268,16 @@ def gasv(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
     if not 0 <= k <= cal.neighbours.shape[1]:
         raise ValueError(f"gasv k={k} but the calibration's neighbour table holds {cal.neighbours.shape[1]}")
     g_all = fused(gasv_scores, ctx.fuse)(ctx.logits, ctx.p, cal, o.kappa, o.lambda_, o.a_kappa, o.a_lambda, o.eps)
-    table = cal.neighbours[:, :k].to(ctx.p.device)
+    if ctx.tree.sampled:  # the share g(v) of v's deficit to q, pulled from its k nearest codes (docs/method.md)
+        edges = neighbour_edges(cal.neighbours[:, :k], ctx.p.device)
+
+        def relax(p_rows, q, rows, ctx):  # (B, S, V) at the nodes rows (B, S)
+            p_rows = _normalise(p_rows)
+            return _transport_rows(p_rows, q, edges, _rows(g_all, rows) * (q - p_rows).clamp(min=0))
+
+        return walk_sampled(ctx, generator, relax)
     ar = torch.arange(ctx.p.shape[0], device=ctx.p.device)
+    table = cal.neighbours[:, :k].to(ctx.p.device)
 
     def soft(r, tok, row):  # p_soft for draft tok: (its soft mass (B,), the soft residual with tok removed (B, V))
         g = g_all[ar, row].gather(1, tok[:, None])  # (B, 1)
@@ -269,15 +287,6 @@ def gasv(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
         moved = r.gather(1, nn) * g  # (B, k)
         rest = r.scatter(1, nn, r.gather(1, nn) - moved).scatter(1, tok[:, None], 0.0)
         return r.gather(1, tok[:, None]).squeeze(1) + moved.sum(-1), rest
-
-    if ctx.tree.sampled:  # the share g(v) of v's deficit to q, pulled from its k nearest codes (docs/method.md)
-        edges = neighbour_edges(cal.neighbours[:, :k], ctx.p.device)
-
-        def relax(p_node, q, row, ctx):
-            p_node = _normalise(p_node)
-            return transport(p_node, q, edges, g_all[ar, row] * (q - p_node).clamp(min=0))
-
-        return walk_sampled(ctx, generator, relax)
 
     def accept(r, tok, q_parent, row, ctx):
         r = _normalise(r)
