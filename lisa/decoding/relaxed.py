@@ -12,8 +12,8 @@ import torch
 from torch import Tensor
 
 from lisa.decoding.fused import fused
-from lisa.decoding.walk import (Verdict, VerifyContext, _needs_sampled, _normalise, children_table, neighbour_edges,
-                                ratio, transport, typed_options, walk, walk_sampled)
+from lisa.decoding.walk import (Verdict, VerifyContext, _at_rows, _needs_sampled, _normalise, children_table,
+                                neighbour_edges, ratio, transport, typed_options, walk, walk_sampled)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -243,11 +243,6 @@ def gasv_scores(logits: Tensor, p: Tensor, cal, kappa: float, lam: float, a_kapp
     return torch.maximum(g_geo, g_clu).reshape(B, S, V)
 
 
-def _rows(x: Tensor, rows: Tensor) -> Tensor:
-    """x (B, N, V) at rows (B, S) -> (B, S, V)."""
-    return x.gather(1, rows[..., None].expand(-1, -1, x.shape[-1]))
-
-
 def _transport_rows(r: Tensor, q: Tensor, edges, want: Tensor, budget: Optional[float] = None) -> Tensor:
     """`transport` of r, q, want (B, S, V): every (row, node) at once."""
     return transport(r.flatten(0, 1), q.flatten(0, 1), edges, want.flatten(0, 1), budget).view_as(r)
@@ -273,7 +268,7 @@ def gasv(ctx: VerifyContext, generator: torch.Generator) -> Verdict:
 
         def relax(p_rows, q, rows, ctx):  # (B, S, V) at the nodes rows (B, S)
             p_rows = _normalise(p_rows)
-            return _transport_rows(p_rows, q, edges, _rows(g_all, rows) * (q - p_rows).clamp(min=0))
+            return _transport_rows(p_rows, q, edges, _at_rows(g_all, rows) * (q - p_rows).clamp(min=0))
 
         return walk_sampled(ctx, generator, relax)
     ar = torch.arange(ctx.p.shape[0], device=ctx.p.device)

@@ -151,6 +151,7 @@ def walk_sampled(ctx: VerifyContext, generator: torch.Generator, relax_fn: Optio
     depth = len(tree.shape.levels) if tree.shape is not None else int(tree.depth.max()) if tree.size else 0
     dev = p.device
     ar = torch.arange(B, device=dev)
+
     def relax(p_node, q, row, ctx):  # one node per row
         return relax_rows(p_node[:, None], q[:, None], row[:, None], ctx)[:, 0]
 
