@@ -15,8 +15,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _world(tmp_path) -> WorldPaths:
+    """The files params.yaml's methods read on fashion-c2i, as placeholders: the release and LID drafters, the
+    calibration and every named drafter a cell or family drafts with."""
     paths = WorldPaths.of("fashion-c2i", tmp_path)
-    for f, text in ((paths.drafter_file, "release"), (paths.lid_drafter_file, "lid"), (paths.calibration_file, "cal")):
+    p = load_params(ROOT / "params.yaml")
+    named = {m.drafter for ms in (p.table.cells, p.scoreboard.families) for m in ms.values()} - {"release", "lid"}
+    files = [(paths.drafter_file, "release"), (paths.lid_drafter_file, "lid"), (paths.calibration_file, "cal")]
+    for f, text in files + [(paths.drafter_of(n), n) for n in sorted(named)]:
         f.parent.mkdir(parents=True, exist_ok=True)
         f.write_text(text)
     return paths
@@ -31,8 +36,8 @@ def test_each_method_names_what_it_reads(tmp_path):
             reads = read_json(paths.inputs_dir / kind / f"{key}.json")["reads"]
             want = {}
             if m.method != "vanilla" and drafts_tree(m.method):
-                f = paths.drafter_file if m.drafter == "release" else paths.lid_drafter_file
-                want["drafter"] = {"file": f.as_posix(), "sha256": sha[f]}
+                f = paths.drafter_of(m.drafter)
+                want["drafter"] = {"file": f.as_posix(), "sha256": sha.get(f) or file_sha256(f)}
             if m.method == "gasv":
                 want["calibration"] = {"file": paths.calibration_file.as_posix(), "sha256": sha[paths.calibration_file]}
             assert reads == want, (kind, key)
@@ -40,6 +45,9 @@ def test_each_method_names_what_it_reads(tmp_path):
     assert read_json(paths.inputs_dir / "cells" / "vanilla.json")["reads"] == {}
     assert set(read_json(paths.inputs_dir / "cells" / "lisa-a.json")["reads"]) == {"drafter", "calibration"}
     assert cells["lisa-a"].drafter == "lid" and cells["exact-sampled"].drafter == "release"
+    assert p.scoreboard.families["exact-sampled-cfg"].drafter == "cheap-cfg"  # a named drafter's reader
+    assert read_json(paths.inputs_dir / "families" / "exact-sampled-cfg.json")["reads"]["drafter"]["file"] == \
+        paths.drafter_of("cheap-cfg").as_posix()
 
 
 def test_a_retrained_drafter_changes_only_its_readers(tmp_path):
@@ -69,7 +77,7 @@ def test_a_named_drafter_is_read_from_its_file(tmp_path):
         method_inputs(p, paths)
     with pytest.raises(FileNotFoundError, match="need the cfg drafter.*lisa named-drafter --drafter cfg"):
         method_resources([p.scoreboard.families["exact-sampled-cfg"]], None, {}, None, paths, 8)
-    named.parent.mkdir(parents=True)
+    named.parent.mkdir(parents=True, exist_ok=True)
     named.write_text("named")
     method_inputs(p, paths)
     reads = read_json(paths.inputs_dir / "families" / "exact-sampled-cfg.json")["reads"]
