@@ -205,8 +205,8 @@ class PremiseParams:
 
 @dataclass(config=STRICT)
 class DrafterArch:
-    """A drafter's architecture (lisa.models.drafter.DrafterConfig overrides): train_drafter's, and each of the
-    ablate-arch sweep's."""
+    """A drafter's architecture: train_drafter's, each of the ablate-arch sweep's and each named drafter's; the model
+    reads it resolved against a target (lisa.models.drafter.DrafterConfig, a subclass)."""
     width: Count0 = 0  # residual width D (0 = the target's dim)
     ffn_dim: Optional[Count0] = None  # SwiGLU hidden size (None = the target's rule for width D; 0 = none)
     n_head: Optional[Count] = None  # attention heads (None = the target's; must divide D)

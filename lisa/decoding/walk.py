@@ -124,7 +124,7 @@ RelaxFn = Callable[[Tensor, Tensor, Tensor, "VerifyContext"], Tensor]
 
 
 def walk_sampled(ctx: VerifyContext, generator: torch.Generator, relax_fn: Optional[RelaxFn] = None,
-                 emit_fn: Optional[EmitFn] = None, fan: bool = True) -> Verdict:
+                 emit_fn: Optional[EmitFn] = None) -> Verdict:
     """The walk over siblings drawn from the drafter's q (tree.sampled "iid" or "wor"), vectorised over the batch.
 
     relax_fn(p, q, rows, ctx) -> p~ (B, S, V): the target each of the nodes at rows (B, S) (p, q (B, S, V) there)
@@ -136,14 +136,14 @@ def walk_sampled(ctx: VerifyContext, generator: torch.Generator, relax_fn: Optio
     randomness, and its TV to p (Verdict.tv): for i.i.d. siblings computed by the recursion law_i = q a_i + (1 -
     sum q a_i) law_{i+1} (the residuals do not depend on the drawn tokens there), for siblings drawn without
     replacement p~ itself (the recursive rejection theorem). A fan of chains (the root's children each heading a
-    chain: branching [k, 1, 1, ...], `fan_chains`) takes `walk_fan` where `_use_fan` says so (fan=False: never):
+    chain: branching [k, 1, 1, ...], `fan_chains`) takes `walk_fan` where `_use_fan` says so:
     the same verdicts, without a p~ per level or a host sync per sibling."""
     p, tree = ctx.p, ctx.tree
     if tree.q is None:
         raise ValueError("verifying sampled drafts needs the distributions they were drawn from (tree.q)")
     relax_rows = relax_fn or (lambda p, q, rows, ctx: p)
     emit = emit_fn or (lambda r, row, ctx: _normalise(r))
-    chains = fan_chains(tree.shape) if fan and _use_fan(ctx, relax_fn) else None
+    chains = fan_chains(tree.shape) if _use_fan(ctx, relax_fn) else None
     if chains is not None:
         return walk_fan(ctx, generator, chains, relax_rows, emit)
     B, V = p.shape[0], p.shape[-1]

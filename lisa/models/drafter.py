@@ -19,24 +19,29 @@ SiLU residual block and an LM head) predicts token s + 2 + k from the hidden sta
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, field
 from typing import NamedTuple, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from pydantic.dataclasses import dataclass
 from torch import Tensor
 
+from lisa.config import STRICT, DrafterArch
 from lisa.models.gpt import (GPTConfig, KVCache, RMSNorm, apply_rope, default_taps, find_multiple, rope_1d_table,
                              rope_2d_table, rope_operands)
 from lisa.models.presets import build_config
 
 
-@dataclass
-class DrafterConfig:
+@dataclass(config=STRICT)
+class DrafterConfig(DrafterArch):
+    """A drafter as the model reads it: the params' architecture (lisa.config.DrafterArch: width, ffn_dim, n_head,
+    head_rank, their types and defaults) resolved against a target (`for_target`: n_head the target's unless set),
+    plus what the target fixes."""
+    n_head: int = 12  # resolved (DrafterArch's None = the target's)
     kind: str = "eagle3"  # "eagle3" | "medusa"
     dim: int = 768  # the target's hidden size H
-    n_head: int = 12
     n_kv_head: Optional[int] = None
     vocab_size: int = 16384
     taps: list[int] = field(default_factory=lambda: [2, 6, 9])  # target layers fused (eagle3)
@@ -49,17 +54,10 @@ class DrafterConfig:
     medusa_heads: int = 4  # medusa
     rope: str = "2d"  # "2d": LlamaGen's grid RoPE; "1d": over sequence positions (chameleon targets)
     rope_length: int = 0  # 1d: positions covered
-    width: int = 0  # eagle3: the drafter's own residual width D (0 = the target's H); fc 3H -> D, head D -> V
-    ffn_dim: Optional[int] = None  # eagle3: the SwiGLU's hidden size (None: the target's rule from D; 0: no SwiGLU)
-    head_rank: int = 0  # eagle3: the LM head factored D -> head_rank -> V (0: one D -> V layer)
 
     def __post_init__(self):
         if self.kind not in ("eagle3", "medusa"):
             raise ValueError(f"DrafterConfig.kind must be 'eagle3' or 'medusa', got {self.kind!r}")
-        if self.ffn_dim is not None and self.ffn_dim < 0:
-            raise ValueError(f"DrafterConfig.ffn_dim must be >= 0 (0 = no SwiGLU), got {self.ffn_dim}")
-        if self.width < 0:
-            raise ValueError(f"DrafterConfig.width must be >= 0 (0 = the target's dim), got {self.width}")
         top = min(self.model_dim, self.vocab_size) - 1
         if not 0 <= self.head_rank <= top:
             raise ValueError(f"DrafterConfig.head_rank must be 0 (a full head) or 1..{top} (below the width "

@@ -188,13 +188,12 @@ def method_resources(methods, target, target_meta: dict, vq, paths: WorldPaths, 
     from lisa.training.calibrate import load_calibration
 
     out = {}
-    makers = {"release": "`lisa train-drafter`", "lid": "`lisa ablate-lid`"}
     for which in sorted({m.drafter for m in methods if drafts_tree(m.method)}):
         path = paths.drafter_of(which)
         if not Path(path).is_file():
             users = [getattr(m, "name", m.method) for m in methods if m.drafter == which and drafts_tree(m.method)]
             raise FileNotFoundError(f"methods {users} need the {which} drafter: {path} not found "
-                                    f"({makers.get(which, f'`lisa named-drafter --drafter {which}`')})")
+                                    f"(`{paths.drafter_maker(which)}`)")
         out[which] = load_drafter(path, target_meta)
     reads, calibration = geometry_reads(methods), None
     if "calibration" in reads:

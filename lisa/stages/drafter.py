@@ -296,8 +296,8 @@ def _measured(world: WorldParams, target, target_meta: dict, model, heldout: dic
               sample_p: SampleParams, drafter: str, world_name: str, entry: dict, steps, seed, train: dict,
               rise: dict) -> dict:
     """A drafter's report (named-drafter's and drafter-reference's): what it is and how it was trained, its
-    trainable parameters (all but the token embedding, the target's, frozen in training) and held-out metrics, then tau and ms per image against vanilla under `exact` on the
-    section's tree."""
+    trainable parameters (all but the token embedding, the target's, frozen in training) and held-out metrics, then
+    tau and ms per image against vanilla under `exact` on the section's tree."""
     sampling, spec = sampling_config(world, p), tree_spec(p, "exact")
     cond = _conditions(world, target, sample_p, p.per_class)
     tau, seconds = _against_vanilla(target, model, cond, sampling, spec, p.seed)

@@ -37,8 +37,7 @@ def manifest(m: DecodeMethod, paths: WorldPaths) -> dict:
     for what, f in method_reads(m, paths).items():
         if not Path(f).is_file():
             raise FileNotFoundError(f"method {m.method!r} reads the {what} {f}: not found"
-                                    + (f" (`lisa named-drafter --drafter {m.drafter}`)" if what == "drafter" and
-                                       m.drafter not in ("release", "lid") else ""))
+                                    + (f" (`{paths.drafter_maker(m.drafter)}`)" if what == "drafter" else ""))
         out["reads"][what] = {"file": Path(f).as_posix(), "sha256": file_sha256(f)}
     return out
 

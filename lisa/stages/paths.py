@@ -94,6 +94,12 @@ class WorldPaths:
         fixed = {"release": self.drafter_file, "lid": self.lid_drafter_file}
         return fixed[name] if name in fixed else self.named_dir / f"{name}.safetensors"
 
+    @staticmethod
+    def drafter_maker(name: str) -> str:
+        """The command that makes the drafter a decoding method names (the hint of a missing-drafter error)."""
+        fixed = {"release": "lisa train-drafter", "lid": "lisa ablate-lid"}
+        return fixed.get(name, f"lisa named-drafter --drafter {name}")
+
     @classmethod
     def of(cls, world: str, root: str | Path = ".", **overrides) -> WorldPaths:
         """The paths of `world` under `root`; `overrides` replace fields (a folder with the files in it)."""

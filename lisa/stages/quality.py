@@ -16,6 +16,7 @@ from tqdm import tqdm
 from lisa.checkpoint import atomic_write_all, json_writer, read_state_dict, save_artifact, write_json
 from lisa.config import EvaluateParams, QualityParams, TableParams, TrainJudgeParams, WorldParams, seed_for
 from lisa.data import datasets as data
+from lisa.decoding.loop import pooled_tau
 from lisa.decoding.methods import method_decoder
 from lisa.decoding.sampling import sampling_config
 from lisa.decoding.verify import drafts_tree
@@ -199,16 +200,16 @@ def decode_conditions(decode, conds: torch.Tensor, sampling, batch_size: int, se
                       T: int) -> tuple[torch.Tensor, dict]:
     """(tokens (n, T), stats) of `decode` over the conditions in batches, batch i seeded (seed, i): tau pooled over
     every round of every row, the measured TV per image position and its mean past the first token, the time."""
-    toks, taus, tvs, t0 = [], [], [], time.perf_counter()
+    toks, stats, tvs, t0 = [], [], [], time.perf_counter()
     for i, batch in enumerate(tqdm(list(conds.split(batch_size)), desc=desc, unit="batch")):
         tok, st = decode(batch, sampling, torch.Generator().manual_seed(seed_for(seed, i)))
         toks.append(tok)
-        lengths = [a for row in st.get("accept_lengths", []) for a in row if a > 0]
-        taus += lengths or [1] * tok.numel()
+        stats.append(st)
         if "tv" in st:
             tvs.append(st["tv"])
     tv = torch.cat(tvs) if tvs else torch.zeros(len(conds), T)
-    return torch.cat(toks), {"decode_s": time.perf_counter() - t0, "tau": sum(taus) / len(taus),
+    tau = pooled_tau(stats) if all("accept_lengths" in st for st in stats) else 1.0  # vanilla: one token a forward
+    return torch.cat(toks), {"decode_s": time.perf_counter() - t0, "tau": tau,
                              "tv_per_position": tv.nanmean(0).tolist(), "tv_mean": float(tv[:, 1:].nanmean()),
                              "threads": torch.get_num_threads()}
 
